@@ -1,0 +1,29 @@
+"""Shared fixtures: tiny random SD3 / FLUX pipelines, built once per session and loaded from disk like real ones."""
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before anything imports huggingface_hub: tests never touch the hub
+
+# `from tiny import ...` (tests dir) and `import grpo_sd35` etc. (repo root) without a tests/__init__.py.
+TESTS = Path(__file__).resolve().parent
+for p in (TESTS.parent, TESTS):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import pytest  # noqa: E402
+
+from tiny import build_tiny_flux, build_tiny_sd3  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3(tmp_path_factory) -> str:
+    """Path of a saved tiny StableDiffusion3Pipeline (pass as --model)."""
+    return build_tiny_sd3(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_flux(tmp_path_factory) -> str:
+    """Path of a saved tiny FluxPipeline (pass as --model)."""
+    return build_tiny_flux(tmp_path_factory.mktemp("models"))
