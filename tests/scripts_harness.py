@@ -1,0 +1,85 @@
+"""Helpers shared by the end-to-end script tests: launch a script (python or torchrun/gloo), read its outputs."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parent.parent
+TOY_REWARD = "tests/toy_rewards.py:brightness"
+PROMPTS = "tests/assets/ocr_prompts.txt"
+
+
+def tiny_sd35_flags(model: str, out, precision: str = "no") -> list[str]:
+    """Flags shared by the SD3.5 scripts for a seconds-long CPU run on the tiny pipeline (fp32: bf16 matmuls are
+    several times slower on CPU; the default bf16 path gets its own run in each script's test)."""
+    return ["--model", str(model), "--output-dir", str(out), "--train-prompts", PROMPTS, "--test-prompts", PROMPTS,
+            "--reward", TOY_REWARD, "--resolution", "32", "--num-steps", "4", "--eval-num-steps", "3",
+            "--group-size", "4", "--prompts-per-epoch", "2", "--batch-size", "4", "--eval-batch-size", "2",
+            "--eval-every", "1", "--save-every", "1", "--max-sequence-length", "16", "--mixed-precision", precision]
+
+
+def _env() -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.pop("RANK", None)
+    return env
+
+
+def run_script(script: str, flags: list[str], nproc: int = 1, check: bool = True):
+    """Run a training script to completion; returns its run directory (the only one under --output-dir), or with
+    check=False the finished process."""
+    if nproc == 1:
+        cmd = [sys.executable, script]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script]
+    proc = subprocess.run(cmd + flags, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+    if not check:
+        return proc
+    assert proc.returncode == 0, f"{' '.join(cmd + flags)}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
+    out = Path(flags[flags.index("--output-dir") + 1])
+    runs = [p for p in out.iterdir() if p.is_dir()]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def assert_bad_input(script: str, flags: list[str], message: str):
+    """The script exits non-zero with a one-line `error: ...` naming the problem."""
+    proc = subprocess.run([sys.executable, script] + flags, cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") and message in last, proc.stderr[-3000:]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def lora_tensors(checkpoint: Path) -> list[torch.Tensor]:
+    return torch.load(checkpoint / "state.pt", map_location="cpu")["lora"]
+
+
+def assert_common_run(run_dir: Path, epochs: int) -> list[dict]:
+    """What every training script must leave behind after `epochs` epochs with --eval-every 1 --save-every 1."""
+    metrics = read_metrics(run_dir)
+    assert [m["epoch"] for m in metrics] == list(range(epochs))
+    for m in metrics:
+        for key, value in m.items():
+            if key.startswith("losses/") and key != "losses/on_policy_ratio_dev":
+                assert math.isfinite(value), (key, value)
+        assert math.isfinite(m["reward/mean"])
+    assert (run_dir / "eval_00000.png").is_file() and (run_dir / f"eval_{epochs:05d}.png").is_file()
+    last = run_dir / "checkpoints" / f"epoch_{epochs:05d}"
+    assert (last / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    assert (last / "ema_lora" / "pytorch_lora_weights.safetensors").is_file()
+    assert not any(p.name.endswith(".tmp") for p in (run_dir / "checkpoints").iterdir())
+    state = torch.load(last / "state.pt", map_location="cpu")
+    assert state["next_epoch"] == epochs
+    lora_b = [t for k, t in load_file(last / "lora" / "pytorch_lora_weights.safetensors").items() if "lora_B" in k]
+    assert lora_b and any(t.abs().sum() > 0 for t in lora_b)  # LoRA B starts at zero: nonzero means it trained
+    return metrics
