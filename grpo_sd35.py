@@ -240,13 +240,14 @@ def encode(pipe, prompts: list[str], device, max_sequence_length: int):
 
 
 def predict_velocity(transformer, x, sigma, embeds, pooled, neg_embeds, neg_pooled, guidance_scale: float):
-    """CFG velocity u + g (c - u) from one batched forward on [uncond; cond]; no uncond pass when g == 1."""
+    """CFG velocity u + g (c - u) from one batched forward on [uncond; cond]; no uncond pass when g == 1.
+    `sigma`: a float or a per-sample (B,) tensor."""
     cfg = guidance_scale != 1.0
+    timestep = (1000 * torch.as_tensor(sigma, device=x.device, dtype=torch.float32)).expand(x.shape[0])  # (B,)
     if cfg:
-        x = torch.cat([x, x])
+        x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
         embeds = torch.cat([neg_embeds.expand_as(embeds), embeds])
         pooled = torch.cat([neg_pooled.expand_as(pooled), pooled])
-    timestep = (1000 * torch.as_tensor(sigma, device=x.device, dtype=torch.float32)).expand(x.shape[0])
     v = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds,
                     pooled_projections=pooled, return_dict=False)[0].float()
     if not cfg:

@@ -1,0 +1,132 @@
+"""nft_sd35.py: hand-computed NFT loss and decay schedule, then end-to-end runs on the tiny offline SD3 pipeline."""
+
+import math
+
+import pytest
+import torch
+
+from nft_sd35 import nft_loss, old_decay
+from scripts_harness import assert_bad_input, assert_common_run, lora_tensors, read_metrics, run_script, tiny_sd35_flags
+
+SCRIPT = "nft_sd35.py"
+
+
+# ---- units -------------------------------------------------------------------------------------------------------
+def test_nft_loss_by_hand():
+    # one sample, two elements; t = 0.5, x0 = 0, eps = (2, -2) -> xt = (1, -1)
+    x0, xt, t = torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]), torch.tensor([0.5])
+    v, v_old = torch.tensor([[2.0, 0.0]]), torch.tensor([[0.0, 0.0]])
+    beta = 0.5
+    # v+ = 0.5 v + 0.5 v_old = (1, 0): error xt - t v+ - x0 = (0.5, -1): mean sq 0.625 / mean abs 0.75
+    # v- = 1.5 v_old - 0.5 v = (-1, 0): error (1.5, -1): mean sq 1.625 / mean abs 1.25
+    pos, neg = 0.625 / 0.75, 1.625 / 1.25
+    for adv, r in [(0.0, 0.5), (5.0, 1.0), (-2.5, 0.25), (100.0, 1.0)]:  # r = clip(A, +-5) / 10 + 0.5
+        loss = nft_loss(v, v_old, x0, xt, t, torch.tensor([adv]), beta=beta, adv_clip=5.0)
+        assert loss.item() == pytest.approx(5.0 * (r * pos + (1 - r) * neg) / beta, rel=1e-6)
+
+
+def test_nft_loss_batch_mean_and_error_floor():
+    x0 = torch.zeros(2, 3)
+    xt = torch.zeros(2, 3)  # zero error everywhere: the 1e-5 floor keeps the division finite
+    loss = nft_loss(torch.zeros(2, 3), torch.zeros(2, 3), x0, xt, torch.tensor([0.3, 0.9]), torch.tensor([1.0, -1.0]),
+                    beta=0.1)
+    assert loss.item() == 0.0
+
+
+def test_nft_gradient_at_old_policy_is_advantage_weighted_flow_matching():
+    torch.manual_seed(0)
+    B = 3
+    x0, eps = torch.randn(B, 4, 2, 2), torch.randn(B, 4, 2, 2)
+    t = torch.tensor([0.2, 0.5, 0.9])
+    xt = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps
+    v_old = torch.randn(B, 4, 2, 2)
+    adv = torch.tensor([1.5, -7.0, 0.3])
+    v = v_old.clone().requires_grad_(True)
+    nft_loss(v, v_old, x0, xt, t, adv, beta=0.1).backward()
+    # self-normalised flow-matching loss at v_old: mean(err^2) / sg(mean|err|), err = xt - t v - x0
+    u = v_old.clone().requires_grad_(True)
+    err = xt - t.view(-1, 1, 1, 1) * u - x0
+    per_sample = (err**2).mean(dim=(1, 2, 3)) / err.detach().abs().mean(dim=(1, 2, 3))
+    (adv.clamp(-5, 5) * per_sample).mean().backward()
+    assert torch.allclose(v.grad, u.grad, atol=1e-6)
+
+
+def test_old_decay_schedules():
+    assert [old_decay(s, 0) for s in (0, 100, 10_000)] == [0.0, 0.0, 0.0]
+    assert old_decay(0, 1) == 0.0 and old_decay(100, 1) == pytest.approx(0.1) and old_decay(10_000, 1) == 0.5
+    assert old_decay(74, 2) == 0.0 and old_decay(75, 2) == 0.0
+    assert old_decay(95, 2) == pytest.approx(0.15) and old_decay(10_000, 2) == 0.999
+
+
+# ---- end to end ----------------------------------------------------------------------------------------------------
+def flags(model, out, *extra, precision="no"):
+    return tiny_sd35_flags(model, out, precision) + ["--kl-beta", "1e-4", *extra]
+
+
+def old_tensors(checkpoint):
+    return torch.load(checkpoint / "state.pt", map_location="cpu")["extra"]["old"]
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tiny_sd3, tmp_path_factory):
+    return run_script(SCRIPT, flags(tiny_sd3, tmp_path_factory.mktemp("nft1"), "--epochs", "2", "--decay-type", "1"))
+
+
+def test_one_process_run_old_policy_follows_its_schedule(one_process_run):
+    metrics = assert_common_run(one_process_run, epochs=2)
+    assert metrics[0]["losses/first_old_deviate"] == 0.0  # old == current before the first update
+    assert metrics[1]["losses/kl"] > 0 and metrics[1]["losses/old_deviate"] > 0
+    assert [m["charts/old_decay"] for m in metrics] == pytest.approx([0.002, 0.004])  # type 1 after 2, 4 steps
+    ckpt = one_process_run / "checkpoints" / "epoch_00002"
+    old, lora = old_tensors(ckpt), lora_tensors(ckpt)
+    assert any(o.abs().sum() > 0 for o in old[1::2])  # the old adapter moved off its zero-initialised B
+    assert any(not torch.equal(o, c) for o, c in zip(old, lora))  # eta > 0: a soft, not a hard, copy
+
+
+def test_decay_type_2_hard_copies_and_resume_restores_old(tiny_sd3, tmp_path):
+    full = run_script(SCRIPT, flags(tiny_sd3, tmp_path / "full", "--epochs", "2"))
+    for ckpt in ("epoch_00001", "epoch_00002"):
+        old, lora = old_tensors(full / "checkpoints" / ckpt), lora_tensors(full / "checkpoints" / ckpt)
+        assert all(torch.equal(o, c) for o, c in zip(old, lora))  # eta = 0 before step 75: old <- current
+    first = run_script(SCRIPT, flags(tiny_sd3, tmp_path / "a", "--epochs", "1"))
+    resumed = run_script(SCRIPT, flags(tiny_sd3, tmp_path / "b", "--epochs", "2", "--resume",
+                                       str(first / "checkpoints" / "epoch_00001")))
+    assert [m["epoch"] for m in read_metrics(resumed)] == [1]
+    for load in (lora_tensors, old_tensors):
+        want, got = load(full / "checkpoints" / "epoch_00002"), load(resumed / "checkpoints" / "epoch_00002")
+        assert all(torch.allclose(w, g, atol=1e-6) for w, g in zip(want, got))
+
+
+def test_two_process_torchrun(tiny_sd3, tmp_path):
+    run_dir = run_script(SCRIPT, flags(tiny_sd3, tmp_path, "--epochs", "2", "--batch-size", "2", precision="bf16"),
+                         nproc=2)
+    metrics = assert_common_run(run_dir, epochs=2)
+    assert metrics[0]["losses/first_old_deviate"] < 1e-6
+
+
+def test_learning_brightness_rises(tiny_sd3, tmp_path):
+    # deterministic rollouts of a tiny random model barely differ, so NFT needs more epochs than GRPO here
+    run_dir = run_script(SCRIPT, flags(tiny_sd3, tmp_path, "--epochs", "16", "--kl-beta", "0", "--learning-rate", "1e-2",
+                                       "--ema-decay", "0", "--eval-every", "100", "--save-every", "100"))
+    metrics = read_metrics(run_dir)
+    rewards = [m["reward/mean"] for m in metrics]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 2 * metrics[0]["reward/std"], rewards
+    assert metrics[-1]["eval/final_reward_mean"] > metrics[0]["eval/reward_mean"]  # same eval noise, brighter images
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--train-prompts", "missing.txt"], "does not exist"),
+    (["--reward", "no_such_reward"], "no_such_reward"),
+    (["--prompts-per-epoch", "3"], "do not split"),
+    (["--reward", "ocr", "--train-prompts", "tests/assets/bad_ocr_prompts.txt"], "quoted"),
+])
+def test_bad_input_is_rejected_before_loading(tiny_sd3, tmp_path, extra, message):
+    assert_bad_input(SCRIPT, flags(tiny_sd3, tmp_path, *extra), message)
+
+
+def test_eval_only_reproduces_final_eval(tiny_sd3, tmp_path, one_process_run):
+    run_dir = run_script(SCRIPT, flags(tiny_sd3, tmp_path, "--eval-only", "--resume",
+                                       str(one_process_run / "checkpoints" / "epoch_00002")))
+    (metrics,) = read_metrics(run_dir)
+    final = read_metrics(one_process_run)[-1]["eval/final_reward_mean"]
+    assert math.isfinite(metrics["eval/reward_mean"]) and metrics["eval/reward_mean"] == pytest.approx(final, abs=1e-6)
