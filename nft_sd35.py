@@ -412,7 +412,7 @@ if __name__ == "__main__":
     args = tyro.cli(Args)
 
     # ---- input checks and batch arithmetic: fail with one clear line before any model loads ----
-    train_prompts, train_meta = load_prompts(args.train_prompts)
+    train_prompts, train_meta = ([], []) if args.eval_only else load_prompts(args.train_prompts)
     test_prompts, test_meta = load_prompts(args.test_prompts)
     check_model_path(args.model)
     if args.resume and not os.path.isfile(os.path.join(args.resume, "state.pt")):

@@ -314,12 +314,15 @@ def jpeg_incompressibility():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def geneval(url="http://127.0.0.1:18085", timeout=120.0, retries=5, batch_size=64):
+def geneval(url="http://127.0.0.1:18085", timeout=120.0, retries=5, batch_size=64, key="scores"):
     """Client of the GenEval reward server (yifan123/reward-server protocol, flow_grpo/rewards.py::geneval_score):
     a pickled {images: [JPEG bytes], meta_datas, only_strict} is POSTed; the reply's `scores` (partial credit per
     include-clause) is the training reward, `strict_rewards` (exact GenEval correctness) is logged.
-    The prompt file must be the GenEval JSONL (metadata with `include`/`exclude`/`tag`)."""
+    The prompt file must be the GenEval JSONL (metadata with `include`/`exclude`/`tag`). `key=rewards` scores with
+    the official-style GenEval correctness instead (the paper metric; use it as --eval-reward)."""
     timeout, retries, batch_size = float(timeout), int(retries), int(batch_size)
+    if key not in ("scores", "rewards", "strict_rewards"):
+        raise ValueError(f"geneval key must be scores, rewards or strict_rewards, not {key!r}")
 
     @pointwise
     def fn(images, prompts, metadata):
@@ -332,9 +335,9 @@ def geneval(url="http://127.0.0.1:18085", timeout=120.0, retries=5, batch_size=6
                 img.save(buffer, format="JPEG")
                 jpegs.append(buffer.getvalue())
             body = pickle.dumps({"images": jpegs, "meta_datas": list(metadata[start : start + batch_size]),
-                                 "only_strict": True})
+                                 "only_strict": key != "rewards"})
             reply = pickle.loads(post(url, body, "application/octet-stream", timeout, retries))
-            scores += reply["scores"]
+            scores += reply[key]
             strict += reply.get("strict_rewards", reply["scores"])
         score = torch.tensor(scores, dtype=torch.float32)
         return score, {"geneval": score, "geneval_strict": torch.tensor(strict, dtype=torch.float32)}

@@ -205,9 +205,11 @@ def test_geneval_client_protocol():
     server, url = serve(handler)
     meta = [{"tag": "counting", "include": [{"class": "cat", "count": 2}]}] * 3
     score, info = rewards.build_reward(f"geneval[url={url};batch_size=2]")(torch.rand(3, 3, 16, 16), ["p"] * 3, meta)
-    server.shutdown()
     assert score.tolist() == [0.5] * 3 and info["geneval_strict"].tolist() == [0.0] * 3
     assert seen["only_strict"] is True and seen["meta_datas"] == meta[2:]  # the last of two batches
+    score, _ = rewards.build_reward(f"geneval[url={url};key=rewards]")(torch.rand(1, 3, 16, 16), ["p"], meta[:1])
+    assert score.tolist() == [1.0] and seen["only_strict"] is False  # the official-style correctness
+    server.shutdown()
 
 
 def test_vlm_judge_and_yesno_against_fake_openai_server():
