@@ -609,5 +609,5 @@ if __name__ == "__main__":
             if world > 1:
                 dist.barrier()
     executor.shutdown()
-    if world > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()

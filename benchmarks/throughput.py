@@ -5,7 +5,7 @@ below) with random weights; `--arch tiny` uses tests/tiny.py's pipeline (CPU: on
 Text encoders are not needed: every measurement feeds random prompt embeddings of the real shapes.
 
     python benchmarks/throughput.py --arch tiny --device cpu                  # ratios, seconds on a laptop
-    python benchmarks/throughput.py --arch sd35m --device cuda --compile      # absolute numbers on a GPU
+    python benchmarks/throughput.py --arch sd35m --device cuda --variants base grad-ckpt compile   # on a GPU
 
 Measured in one run, so ratios compare like with like:
 - rollout: images/s of grpo_sd35.rollout + decode vs StableDiffusion3Pipeline.__call__ (same batch, steps, CFG,
@@ -24,7 +24,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -71,8 +71,8 @@ class Args:
     """LoRA rank on the 8 joint-attention projections"""
     repeats: int = 3
     """timed repeats after one warm-up (the median is reported)"""
-    compile: bool = False
-    """also measure torch.compile (slow to compile on CPU)"""
+    variants: list[str] = field(default_factory=lambda: ["base", "other-dtype", "grad-ckpt"])
+    """settings to measure: base (--dtype), other-dtype (bf16 <-> fp32 base weights), grad-ckpt, compile"""
 
 
 def timed(fn, repeats: int, device) -> float:
@@ -111,8 +111,9 @@ def build(args, device, dtype):
                                                         text_encoder_2=None, text_encoder_3=None, tokenizer=None,
                                                         tokenizer_2=None, tokenizer_3=None, dtype=dtype)
     else:
-        pipe = StableDiffusion3Pipeline(transformer=SD3Transformer2DModel(**SD35M_TRANSFORMER).to(dtype),
-                                        vae=AutoencoderKL(**SD3_VAE), scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        with torch.device(device):  # random init directly on the device: seconds instead of minutes on a CPU
+            transformer, vae = SD3Transformer2DModel(**SD35M_TRANSFORMER).to(dtype), AutoencoderKL(**SD3_VAE)
+        pipe = StableDiffusion3Pipeline(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
                                         text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
                                         text_encoder_3=None, tokenizer_3=None)
     pipe.vae.to(torch.float32)
@@ -130,10 +131,16 @@ def build(args, device, dtype):
 
 def main(args: Args):
     device = torch.device(args.device)
-    rows = []  # one table row per variant
     res = args.resolution or (512 if args.arch == "sd35m" else 32)
-    variants = [(args.dtype, False, False), ("fp32" if args.dtype == "bf16" else "bf16", False, False),
-                (args.dtype, True, False)] + ([(args.dtype, False, True)] if args.compile else [])
+    print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; torch {torch.__version__}; "
+          f"batch {args.batch_size}, {res} px, {args.num_steps} steps, CFG {args.guidance_scale}\n")
+    print("| setting | rollout img/s (ours) | rollout img/s (diffusers) | time ours/diffusers | GRPO step samples/s | "
+          "GRPO step peak GiB | fwd-process step samples/s | rollout MFU | GRPO step MFU | on-policy max abs(ratio-1) |")
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    other = "fp32" if args.dtype == "bf16" else "bf16"
+    settings = {"base": (args.dtype, False, False), "other-dtype": (other, False, False),
+                "grad-ckpt": (args.dtype, True, False), "compile": (args.dtype, False, True)}
+    variants = [settings[v] for v in args.variants]
     for base_dtype, checkpointing, compiled in variants:  # (base weight dtype, gradient checkpointing, torch.compile)
         dtype = torch.bfloat16 if base_dtype == "bf16" else torch.float32
         pipe, lora = build(args, device, dtype)
@@ -196,26 +203,24 @@ def main(args: Args):
         rollout_flops = flops_of(ours) if count_flops else None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        t_grpo = timed(grpo_step, args.repeats, device)
-        mem_grpo = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+        try:
+            t_grpo = timed(grpo_step, args.repeats, device)
+            mem_grpo = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+            grpo_flops = flops_of(grpo_step) if count_flops else None
+            ratio_dev = (torch.exp(grpo_step().detach() - old_lp[:, 0]) - 1).abs().max().item()
+        except torch.OutOfMemoryError:  # reported as such: the paper micro-batch may need --gradient-checkpointing
+            t_grpo, mem_grpo, grpo_flops, ratio_dev = float("inf"), float("inf"), None, float("nan")
+            for p in lora:
+                p.grad = None
+            torch.cuda.empty_cache()
         t_fp = timed(forward_process_step, args.repeats, device)
-        grpo_flops = flops_of(grpo_step) if count_flops else None
-        ratio_dev = (torch.exp(grpo_step().detach() - old_lp[:, 0]) - 1).abs().max().item()
         for p in lora:
             p.grad = None
-        rows.append((label, B / t_ours, B / t_diff, t_ours / t_diff, B / t_grpo, mem_grpo, B / t_fp,
-                     rollout_flops / t_ours / peak if rollout_flops else float("nan"),
-                     grpo_flops / t_grpo / peak if grpo_flops else float("nan"), ratio_dev))
-        print(f"{label}: done", flush=True)
-
-    print(f"\ndevice: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; torch {torch.__version__}; "
-          f"batch {args.batch_size}, {res} px, {args.num_steps} steps, CFG {args.guidance_scale}\n")
-    print("| setting | rollout img/s (ours) | rollout img/s (diffusers) | time ours/diffusers | GRPO step samples/s | "
-          "GRPO step peak GiB | fwd-process step samples/s | rollout MFU | GRPO step MFU | on-policy max abs(ratio-1) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
+        r = (label, B / t_ours, B / t_diff, t_ours / t_diff, B / t_grpo, mem_grpo, B / t_fp,
+             rollout_flops / t_ours / peak if rollout_flops else float("nan"),
+             grpo_flops / t_grpo / peak if grpo_flops else float("nan"), ratio_dev)
         print(f"| {r[0]} | {r[1]:.3g} | {r[2]:.3g} | {r[3]:.3f} | {r[4]:.3g} | {r[5]:.3g} | {r[6]:.3g} | {r[7]:.3g} | "
-              f"{r[8]:.3g} | {r[9]:.1e} |")
+              f"{r[8]:.3g} | {r[9]:.1e} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ COMMON = ["--train-prompts", PROMPTS, "--test-prompts", PROMPTS, "--reward", "te
 # (no KL to the base model, wider trust regions), everything else at the script's defaults.
 ALGORITHMS = {
     "grpo_sd35.py": ["--kl-beta", "0", "--clip-range", "0.2"],
-    "nft_sd35.py": ["--kl-beta", "0", "--decay-type", "1"],
+    "nft_sd35.py": ["--kl-beta", "0"],
     "awm_sd35.py": ["--kl-beta", "0"],
     "crd_sd35.py": ["--kl-beta", "0"],
     "dance_grpo_flux.py": ["--clip-range", "0.2", "--resolution", "32"],
