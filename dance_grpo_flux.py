@@ -1,0 +1,604 @@
+"""DanceGRPO on FLUX.1-dev: GRPO with a PPO-clipped ratio of DanceGRPO SDE-step log-probs, no CFG, no KL.
+
+Paper: DanceGRPO (arXiv:2505.07818). Upstream: XueZeyue/DanceGRPO, fastvideo/train_grpo_flux.py (+ _lora.py).
+Defaults = the 8-GPU LoRA recipe (scripts/finetune/finetune_flux_grpo_8gpus_lora.sh), rescaled to any GPU count:
+    torchrun --nproc_per_node 8 dance_grpo_flux.py --train-prompts hpd_prompts.txt --test-prompts hpd_test.txt
+PickScore instead of HPS v2.1: add `--reward pickscore`.
+One-minute CPU demo on a tiny random model:
+    python tests/tiny.py /tmp/tiny && python dance_grpo_flux.py --model /tmp/tiny/tiny-flux \
+        --train-prompts tests/assets/ocr_prompts.txt --test-prompts tests/assets/ocr_prompts.txt \
+        --reward tests/toy_rewards.py:brightness --resolution 32 --num-steps 4 --eval-num-steps 4 --group-size 4 \
+        --prompts-per-epoch 2 --batch-size 4 --max-sequence-length 16 --mixed-precision no --epochs 2
+"""
+
+import json
+import math
+import os
+import re
+import resource
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import tyro
+from diffusers import FluxPipeline
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict
+from PIL import Image
+from tqdm import tqdm
+
+import rewards
+from sde import sde_step, shift_sigmas
+
+
+@dataclass
+class Args:
+    # ---- experiment ----
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (wandb group and run-directory prefix)"""
+    seed: int = 42
+    """seed of LoRA init and prompt draws (identical on all ranks); sampling noise is seeded per rank and epoch"""
+    track: bool = False
+    """log to Weights & Biases (stdout and metrics.jsonl are always written)"""
+    wandb_project: str = "flowrl"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity; None = your default entity"""
+    output_dir: str = "runs"
+    """runs are written to OUTPUT_DIR/RUN_NAME (metrics, eval sheets, checkpoints)"""
+    resume: str | None = None
+    """checkpoint directory to continue from (continues at the epoch after it)"""
+    eval_only: bool = False
+    """only evaluate (the EMA weights of --resume, or the base model) on the test prompts, then exit"""
+    # ---- model ----
+    model: str = "black-forest-labs/FLUX.1-dev"
+    """hub id or local path of a diffusers FluxPipeline"""
+    mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
+    """dtype of the frozen text encoders and transformer base, with autocast (LoRA and VAE stay fp32); no = all fp32"""
+    gradient_checkpointing: bool = True
+    """recompute transformer activations in the backward pass (FLUX is 12B; upstream always does)"""
+    lora_rank: int = 128
+    """LoRA rank on to_q/to_k/to_v/to_out.0 of every attention (upstream LoRA script)"""
+    lora_alpha: int = 256
+    """LoRA alpha (scale = alpha / rank)"""
+    max_sequence_length: int = 512
+    """T5 tokens per prompt (FLUX.1-dev: 512)"""
+    # ---- data and reward ----
+    train_prompts: str = "prompts/train.txt"
+    """training prompts: one per line, or JSONL with a `prompt` field (other fields are passed to the reward)"""
+    test_prompts: str = "prompts/test.txt"
+    """eval prompts, same format"""
+    reward: str = "hpsv2"
+    """a rewards.py name, a weighted list `hpsv2=1.0,clipscore=1.0`, or `path/to/file.py:function`"""
+    eval_reward: str | None = None
+    """reward for eval; None = the training reward"""
+    # ---- sampling ----
+    resolution: int = 720
+    """image height and width in pixels"""
+    num_steps: int = 12
+    """SDE steps per rollout (upstream LoRA script: 12; full fine-tuning scripts: 16)"""
+    eval_num_steps: int = 28
+    """ODE steps for eval (same shift-3 grid)"""
+    shift: float = 3.0
+    """static SD3 time shift of the uniform sigma grid (upstream `--shift 3`; not FLUX's resolution-dependent shift)"""
+    guidance_scale: float = 3.5
+    """FLUX.1-dev's distilled guidance embedding (no CFG: one forward per step), in rollouts, training and eval"""
+    noise_level: float = 0.3
+    """eta, DanceGRPO's constant diffusion coefficient (sde.py, kind='dance')"""
+    init_same_noise: bool = True
+    """every image of a group starts from the same initial latent (upstream --init_same_noise)"""
+    # ---- batch sizes (global ones do not depend on the GPU count) ----
+    group_size: int = 12
+    """images per prompt (the GRPO group)"""
+    prompts_per_epoch: int = 16
+    """prompts (groups) per epoch, over all GPUs"""
+    batch_size: int = 1
+    """per-GPU micro-batch, identical in rollout and training (upstream: 1, so the on-policy ratio is exactly 1)"""
+    eval_batch_size: int = 8
+    """per-GPU eval batch"""
+    updates_per_epoch: int = 2
+    """optimizer steps per epoch (the first is exactly on-policy; upstream 8 GPUs x 24 samples / GA 12 = 2)"""
+    epochs: int = 300
+    """epochs to train (each = sample, score, update)"""
+    # ---- optimisation ----
+    learning_rate: float = 3e-4
+    """AdamW learning rate (constant)"""
+    weight_decay: float = 1e-4
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip"""
+    ema_decay: float = 0.0
+    """EMA decay of the LoRA weights used for eval and the saved `ema` LoRA (0 disables, as the upstream LoRA script)"""
+    # ---- algorithm ----
+    clip_range: float = 1e-4
+    """PPO clip on the ratio of mean-over-elements log-probs (sde.py), hence tiny"""
+    timestep_fraction: float = 0.6
+    """each sample trains on a random int((num_steps - 1) * fraction) of its first num_steps - 1 transitions"""
+    adv_clip: float = 5.0
+    """advantages are clipped to +-adv_clip"""
+    on_policy_tol: float = 1e-3
+    """warn when the epoch's first micro-step (exactly on-policy) has max |ratio - 1| above this"""
+    # ---- logging, eval, checkpoints ----
+    eval_every: int = 50
+    """evaluate every N epochs (and after the last)"""
+    eval_sheet_size: int = 16
+    """images of the first eval prompts in the contact sheet"""
+    save_every: int = 50
+    """checkpoint every N epochs (and after the last)"""
+
+
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # upstream LoRA targets (double- and single-stream blocks)
+STEP_STREAM, GROUP_NOISE_STREAM = 1, 2  # extra seed keys keeping the timestep-subset and group-noise RNGs apart
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Algorithm: per-group advantages, timestep subsets and the clipped GRPO loss
+# ---------------------------------------------------------------------------------------------------------------
+def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(reward - its group's mean) / (its group's std + eps), std UNBIASED as upstream's torch `.std()`
+    (train_grpo_flux.py::train_one_step, --use_group). rewards, group_ids: (N,); every group needs >= 2 members.
+    A group whose rewards are all equal gets zeros."""
+    rewards = rewards.double()
+    n_groups = int(group_ids.max()) + 1
+    count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, torch.ones_like(rewards))
+    mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, rewards) / count
+    centered = rewards - mean[group_ids]
+    var = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, centered**2) / (count - 1)
+    return (centered / (var.sqrt()[group_ids] + eps)).float()
+
+
+def select_train_steps(batch: int, num_steps: int, fraction: float, generator: torch.Generator) -> torch.Tensor:
+    """(batch, K) step indices: per sample an independent random K = int((num_steps - 1) * fraction) of the first
+    num_steps - 1 transitions (the last, sharpest one is never trained, as upstream's hard-coded `[:, :-1]`)."""
+    candidates = num_steps - 1
+    return torch.rand(batch, candidates, generator=generator).argsort(dim=1)[:, : int(candidates * fraction)]
+
+
+def grpo_loss(log_prob, old_log_prob, advantages, clip_range: float, adv_clip: float):
+    """PPO-clipped policy loss on per-sample (B,) log-probs; returns (loss, ratio). Upstream train_sd3.py."""
+    adv = advantages.clamp(-adv_clip, adv_clip)
+    ratio = torch.exp(log_prob - old_log_prob)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - clip_range, 1 + clip_range)
+    return torch.maximum(unclipped, clipped).mean(), ratio
+
+
+def dance_sigmas(num_steps: int, shift: float) -> torch.Tensor:
+    """(num_steps + 1,) sigmas from 1 to 0: the static time shift of linspace(1, 0, N + 1) (upstream sd3_time_shift)."""
+    return shift_sigmas(torch.linspace(1, 0, num_steps + 1), shift)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Boilerplate (same as grpo_sd35.py where the function is the same): checks, prompts, FLUX model, rollout, eval
+# ---------------------------------------------------------------------------------------------------------------
+def fail(msg: str):
+    raise SystemExit(f"error: {msg}")
+
+
+def load_prompts(path: str) -> tuple[list[str], list[dict]]:
+    """One prompt per line, or JSONL (`.jsonl`) with a `prompt` field; returns prompts and per-prompt metadata."""
+    if not os.path.isfile(path):
+        fail(f"prompt file {path!r} does not exist")
+    with open(path, encoding="utf-8") as f:
+        lines = [line.strip() for line in f if line.strip()]
+    if not lines:
+        fail(f"prompt file {path!r} is empty")
+    if not path.endswith(".jsonl"):
+        return lines, [{} for _ in lines]
+    rows = [json.loads(line) for line in lines]
+    if any("prompt" not in row for row in rows):
+        fail(f"every line of {path!r} needs a 'prompt' field")
+    return [row["prompt"] for row in rows], rows
+
+
+def check_model_path(model: str):
+    """A local path must exist; anything shaped like `org/name` that is not a local path is taken as a hub id."""
+    if not os.path.exists(model) and not re.fullmatch(r"[\w.-]+/[\w.-]+", model):
+        fail(f"model {model!r} is neither an existing local path nor a hub id like 'org/name'")
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    """torchrun sets RANK/WORLD_SIZE: nccl on CUDA, gloo on CPU; plain `python` runs one process."""
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if "RANK" not in os.environ:
+        return 0, 1, device
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def all_gather_cat(t: torch.Tensor, world: int) -> torch.Tensor:
+    """Concatenate an equally-shaped tensor from every rank, in rank order."""
+    if world == 1:
+        return t
+    out = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(out, t.contiguous())
+    return torch.cat(out)
+
+
+def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
+    """A generator whose seed mixes (seed, epoch, rank, ...): every draw is reproducible on resume, no state to save."""
+    return torch.Generator(device).manual_seed(int(np.random.SeedSequence(list(keys)).generate_state(1)[0]))
+
+
+def encode(pipe, prompts: list[str], device, max_sequence_length: int):
+    """T5 hidden states (B, L, 4096), CLIP-L pooled (B, 768) and text ids (L, 3), as FluxPipeline does."""
+    embeds, pooled, text_ids = pipe.encode_prompt(prompts, None, device=device, max_sequence_length=max_sequence_length)
+    return embeds, pooled, text_ids
+
+
+def image_ids(height: int, width: int, device) -> torch.Tensor:
+    """(height * width, 3) RoPE positions (0, row, col) of the packed latent tokens (FluxPipeline's layout)."""
+    rows, cols = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
+    return torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float().to(device)
+
+
+def unpack(latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Packed (B, h/2 * w/2, 4C) tokens -> latent image (B, C, h, w): the inverse of FLUX's 2x2 packing."""
+    b, _, c4 = latents.shape
+    latents = latents.view(b, height // 2, width // 2, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return latents.reshape(b, c4 // 4, height, width)
+
+
+def predict_velocity(transformer, x, sigma, embeds, pooled, text_ids, img_ids, guidance_scale: float):
+    """FLUX velocity of packed latents x (B, L, 4C); `sigma` a float or per-sample (B,) tensor. One forward, no CFG:
+    the guidance value goes in as an embedding. The timestep input is sigma quantised to 1/1000 as upstream
+    (run_sample_step: int(sigma * 1000) / 1000); FLUX multiplies timestep and guidance by 1000 itself."""
+    sigma = torch.as_tensor(sigma, device=x.device, dtype=torch.float32).expand(x.shape[0])  # (B,)
+    timestep = torch.floor(sigma * 1000) / 1000
+    guidance = torch.full_like(timestep, guidance_scale) if transformer.config.guidance_embeds else None
+    return transformer(hidden_states=x, timestep=timestep, guidance=guidance, encoder_hidden_states=embeds,
+                       pooled_projections=pooled, txt_ids=text_ids, img_ids=img_ids, return_dict=False)[0].float()
+
+
+@torch.no_grad()
+def rollout(transformer, noise, sigmas, kind, noise_level, embeds, pooled, text_ids, img_ids, guidance_scale,
+            autocast, generator):
+    """Sample from sigma = 1 to 0. Returns latents (B, T+1, L, 4C), log-probs (B, T) and the last step's clean
+    estimate x0_hat = x - sigma v (B, L, 4C) -- the latent upstream decodes for the reward. All fp32."""
+    x, latents, log_probs = noise.float(), [noise.float()], []
+    for i in range(len(sigmas) - 1):
+        with autocast:
+            v = predict_velocity(transformer, x, sigmas[i], embeds, pooled, text_ids, img_ids, guidance_scale)
+        x0_hat = x - sigmas[i] * v
+        x, log_prob, _, _ = sde_step(v, x, sigmas[i], sigmas[i + 1], kind, noise_level, generator=generator)
+        latents.append(x)
+        log_probs.append(log_prob)
+    return torch.stack(latents, dim=1), torch.stack(log_probs, dim=1), x0_hat
+
+
+@torch.no_grad()
+def decode(vae, latents) -> torch.Tensor:
+    """Latents -> images (B, 3, H, W) in [0, 1], decoded in fp32 with the VAE's own scaling and shift."""
+    latents = latents.float() / vae.config.scaling_factor + vae.config.shift_factor
+    return (vae.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
+
+
+def contact_sheet(images: list[np.ndarray], path: str):
+    """Save (H, W, 3) uint8 images as one near-square grid PNG."""
+    cols = math.ceil(math.sqrt(len(images)))
+    rows = math.ceil(len(images) / cols)
+    h, w = images[0].shape[:2]
+    sheet = Image.new("RGB", (cols * w, rows * h))
+    for i, img in enumerate(images):
+        sheet.paste(Image.fromarray(img), ((i % cols) * w, (i // cols) * h))
+    sheet.save(path)
+
+
+@torch.no_grad()
+def evaluate(pipe, args, prompts, metadata, reward_fn, eval_sigmas, img_ids, rank, world, device, autocast, shape):
+    """ODE sampling of the test prompts (prompt i on rank i % world, noise seeded by i). Returns (mean, sheet)."""
+    mine = list(range(rank, len(prompts), world))
+    scores, sheet = [], []
+    latent_size = args.resolution // pipe.vae_scale_factor
+    for start in range(0, len(mine), args.eval_batch_size):
+        idx = mine[start : start + args.eval_batch_size]
+        noise = torch.stack([torch.randn(shape, generator=seeded_generator(device, args.seed, i), device=device)
+                             for i in idx])
+        embeds, pooled, text_ids = encode(pipe, [prompts[i] for i in idx], device, args.max_sequence_length)
+        _, _, x0_hat = rollout(pipe.transformer, noise, eval_sigmas, "ode", 0.0, embeds, pooled, text_ids, img_ids,
+                               args.guidance_scale, autocast, None)
+        images = decode(pipe.vae, unpack(x0_hat, latent_size, latent_size))  # ODE to sigma 0: x0_hat = final sample
+        batch_scores, _ = reward_fn(images.cpu(), [prompts[i] for i in idx], [metadata[i] for i in idx])
+        scores += list(zip(idx, batch_scores.tolist()))
+        sheet += [(i, (img.permute(1, 2, 0).cpu().numpy() * 255).round().astype(np.uint8))
+                  for i, img in zip(idx, images) if i < args.eval_sheet_size]
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (scores, sheet))
+        scores, sheet = [s for g in gathered for s in g[0]], [s for g in gathered for s in g[1]]
+    return float(np.mean([s for _, s in scores])), [img for _, img in sorted(sheet, key=lambda t: t[0])]
+
+
+def save_checkpoint(path: str, transformer, lora_params, ema_params, optimizer, next_epoch, global_step, args,
+                    extra: dict):
+    """Atomic (temp dir, then rename): diffusers-format `lora/` and `ema_lora/` (FluxPipeline.load_lora_weights),
+    plus state.pt to resume from."""
+    tmp = path + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    FluxPipeline.save_lora_weights(os.path.join(tmp, "lora"),
+                                   transformer_lora_layers=get_peft_model_state_dict(transformer))
+    with swapped(lora_params, ema_params):
+        FluxPipeline.save_lora_weights(os.path.join(tmp, "ema_lora"),
+                                       transformer_lora_layers=get_peft_model_state_dict(transformer))
+    torch.save({"lora": [p.detach().cpu() for p in lora_params], "ema": [p.cpu() for p in ema_params],
+                "optimizer": optimizer.state_dict(), "next_epoch": next_epoch, "global_step": global_step,
+                "args": asdict(args), "extra": extra}, os.path.join(tmp, "state.pt"))
+    if os.path.exists(path):
+        os.rename(path, path + ".old")
+    os.rename(tmp, path)
+    shutil.rmtree(path + ".old", ignore_errors=True)
+
+
+@contextmanager
+def swapped(params, ema):
+    """Temporarily put the EMA values into the live LoRA parameters (for eval and the saved `ema_lora`)."""
+
+    def swap():
+        for p, e in zip(params, ema):
+            live = p.data.clone()
+            p.data.copy_(e)
+            e.copy_(live)
+
+    swap()
+    try:
+        yield
+    finally:
+        swap()
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+
+    # ---- input checks and batch arithmetic: fail with one clear line before any model loads ----
+    train_prompts, train_meta = ([], []) if args.eval_only else load_prompts(args.train_prompts)
+    test_prompts, test_meta = load_prompts(args.test_prompts)
+    check_model_path(args.model)
+    if args.resume and not os.path.isfile(os.path.join(args.resume, "state.pt")):
+        fail(f"--resume {args.resume!r} is not a checkpoint directory (no state.pt)")
+    try:
+        rewards.check_prompts(args.reward, train_prompts)
+        rewards.check_prompts(args.eval_reward or args.reward, test_prompts)
+    except ValueError as e:
+        fail(str(e))
+    if args.group_size < 2:
+        fail(f"--group-size {args.group_size}: a group needs at least 2 images for its (unbiased) std")
+    num_train_steps = int((args.num_steps - 1) * args.timestep_fraction)
+    if num_train_steps < 1:
+        fail(f"--timestep-fraction {args.timestep_fraction} trains no step of the first --num-steps {args.num_steps} "
+             f"- 1 transitions; raise either")
+    rank, world, device = setup_distributed()
+    images_per_epoch = args.prompts_per_epoch * args.group_size
+    if images_per_epoch % (world * args.batch_size):
+        fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split into {world} GPUs x "
+             f"batch-size {args.batch_size}; change --prompts-per-epoch, --group-size or --batch-size")
+    local_images = images_per_epoch // world  # images sampled by this rank per epoch
+    num_batches = local_images // args.batch_size
+    if num_batches % args.updates_per_epoch:
+        fail(f"{num_batches} micro-batches per GPU per epoch do not split into --updates-per-epoch "
+             f"{args.updates_per_epoch}; change --updates-per-epoch or --batch-size")
+    accum = num_batches // args.updates_per_epoch * num_train_steps  # micro-steps (batch, step) per optimizer step
+    run_name = [f"{args.exp_name}__{args.seed}__{int(time.time())}"]
+    if world > 1:
+        dist.broadcast_object_list(run_name, src=0)
+    run_dir = os.path.join(args.output_dir, run_name[0])
+    if rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        print(f"{world} GPU(s) x {num_batches} micro-batches x {args.batch_size} = {images_per_epoch} images/epoch "
+              f"({args.prompts_per_epoch} prompts x {args.group_size}); {args.updates_per_epoch} updates/epoch of "
+              f"{accum} micro-steps each; run dir {run_dir}")
+
+    # ---- model: frozen base in bf16/fp16, LoRA in fp32 (same init on every rank), VAE in fp32 ----
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}[args.mixed_precision]
+    pipe = FluxPipeline.from_pretrained(args.model, dtype={"default": dtype, "vae": torch.float32}).to(device)
+    transformer = pipe.transformer
+    for module in (transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
+        module.requires_grad_(False)
+    if args.resolution % (2 * pipe.vae_scale_factor):
+        fail(f"--resolution {args.resolution} is not a multiple of {2 * pipe.vae_scale_factor} (VAE x 2x2 packing)")
+    torch.manual_seed(args.seed)
+    transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian",
+                                       target_modules=LORA_TARGETS))
+    lora_params = [p for p in transformer.parameters() if p.requires_grad]
+    for p in lora_params:
+        p.data = p.data.float()
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    optimizer = torch.optim.AdamW(lora_params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.mixed_precision == "fp16")
+    ema_params = [p.detach().clone() for p in lora_params]
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    latent_size = args.resolution // pipe.vae_scale_factor  # h = w of the unpacked latent
+    latent_shape = ((latent_size // 2) ** 2, transformer.config.in_channels)  # packed: (tokens, 4 x VAE channels)
+    img_ids = image_ids(latent_size // 2, latent_size // 2, device)
+    sigmas = dance_sigmas(args.num_steps, args.shift).to(device)  # (T+1,) from 1 to 0
+    eval_sigmas = dance_sigmas(args.eval_num_steps, args.shift).to(device)
+    reward_fn = rewards.build_reward(args.reward, device=device)
+    eval_reward_fn = reward_fn if args.eval_reward is None else rewards.build_reward(args.eval_reward, device=device)
+    reward_weights = reward_fn.weights  # {component: weight}
+    start_epoch, global_step = 0, 0
+    if args.resume:
+        state = torch.load(os.path.join(args.resume, "state.pt"), map_location=device)
+        for p, saved in zip(lora_params, state["lora"]):
+            p.data.copy_(saved)
+        for e, saved in zip(ema_params, state["ema"]):
+            e.copy_(saved)
+        optimizer.load_state_dict(state["optimizer"])
+        start_epoch, global_step = state["next_epoch"], state["global_step"]
+    if args.track and rank == 0:
+        import wandb
+
+        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name[0], config=vars(args),
+                   save_code=True)
+
+    def log(metrics: dict, epoch: int):
+        if rank != 0:
+            return
+        with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"epoch": epoch, **metrics}) + "\n")
+        if args.track:
+            wandb.log(metrics, step=epoch)
+
+    def run_eval(epoch: int) -> float:
+        with swapped(lora_params, ema_params):  # with --ema-decay 0 the EMA equals the live weights
+            mean, sheet = evaluate(pipe, args, test_prompts, test_meta, eval_reward_fn, eval_sigmas, img_ids, rank,
+                                   world, device, autocast, latent_shape)
+        if rank == 0:
+            path = os.path.join(run_dir, f"eval_{epoch:05d}.png")
+            contact_sheet(sheet, path)
+            if args.track:
+                wandb.log({"eval/sheet": wandb.Image(path)}, step=epoch)
+        return mean
+
+    if args.eval_only:
+        metrics = {"eval/reward_mean": run_eval(start_epoch)}
+        log(metrics, start_epoch)
+        if rank == 0:
+            print(f"eval after {start_epoch} epochs: {args.eval_reward or args.reward} = {metrics['eval/reward_mean']:.4f}")
+    executor = ThreadPoolExecutor(max_workers=1)  # scores batch i while batch i+1 is sampled
+    for epoch in range(start_epoch, 0 if args.eval_only else args.epochs):
+        epoch_start = time.time()
+        metrics = {"eval/reward_mean": run_eval(epoch)} if epoch % args.eval_every == 0 else {}
+
+        # ---- SAMPLING: identical prompt draw on every rank; each group's images spread over ranks ----
+        prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
+        if len(train_prompts) >= args.prompts_per_epoch:
+            chosen = torch.randperm(len(train_prompts), generator=prompt_gen)[: args.prompts_per_epoch]
+        else:
+            chosen = torch.randint(len(train_prompts), (args.prompts_per_epoch,), generator=prompt_gen)
+        order = torch.randperm(images_per_epoch, generator=prompt_gen)
+        group_ids = torch.arange(args.prompts_per_epoch).repeat_interleave(args.group_size)[order]  # (P*G,) all ranks
+        my_groups = group_ids[rank * local_images : (rank + 1) * local_images].view(num_batches, args.batch_size)
+        noise_gen = seeded_generator(device, args.seed, epoch, rank)
+        transformer.eval()
+        # text conditioning once per prompt this rank samples: (U, L, 4096), (U, 768), (L, 3); U = groups here
+        groups_here = my_groups.unique()  # sorted
+        with torch.no_grad():
+            all_embeds, all_pooled, text_ids = encode(pipe, [train_prompts[int(chosen[g])] for g in groups_here],
+                                                      device, args.max_sequence_length)
+        batches, futures = [], []
+        for b in tqdm(range(num_batches), desc=f"epoch {epoch} sampling", disable=rank != 0, leave=False):
+            pos = torch.searchsorted(groups_here, my_groups[b]).to(device)  # (B,) rows of all_embeds
+            idx = [int(chosen[g]) for g in my_groups[b]]
+            prompts, meta = [train_prompts[i] for i in idx], [train_meta[i] for i in idx]
+            if args.init_same_noise:  # the group's shared initial latent, the same on whichever rank draws it
+                noise = torch.stack([torch.randn(latent_shape, device=device, generator=seeded_generator(
+                    device, args.seed, epoch, int(g), GROUP_NOISE_STREAM)) for g in my_groups[b]])
+            else:
+                noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen, device=device)
+            latents, log_probs, x0_hat = rollout(transformer, noise, sigmas, "dance", args.noise_level, all_embeds[pos],
+                                                 all_pooled[pos], text_ids, img_ids, args.guidance_scale, autocast,
+                                                 noise_gen)  # (B, T+1, L, 4C), (B, T), (B, L, 4C)
+            images = decode(pipe.vae, unpack(x0_hat, latent_size, latent_size))  # the last step's x0_hat, as upstream
+            futures.append(executor.submit(reward_fn, images.cpu(), prompts, meta))
+            batches.append({"pos": pos, "latents": latents, "log_probs": log_probs})
+        sampling_seconds = time.time() - epoch_start
+
+        # ---- REWARD: wait for the scorer, gather every rank's rewards in rank order ----
+        results = [f.result() for f in futures]
+        local_rewards = torch.cat([r[0] for r in results]).float()  # (local_images,)
+        components = {k: torch.cat([r[1][k] for r in results]) for k in reward_weights}  # each (local_images,)
+        all_rewards = all_gather_cat(local_rewards.to(device), world).cpu()  # (P*G,) aligned with group_ids
+        all_components = {k: all_gather_cat(v.to(device), world).cpu() for k, v in components.items()}
+        if reward_fn.group_transform is not None:  # groupwise rewards (pickscore_rank) see whole groups only here
+            all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
+
+        # ---- ADVANTAGE: per-prompt mean and std (clipped to +-adv_clip inside the loss) ----
+        advantages = group_advantages(all_rewards, group_ids)
+        my_adv = advantages[rank * local_images : (rank + 1) * local_images].to(device).view(num_batches, -1)
+        group_std = torch.stack([all_rewards[group_ids == g].std(unbiased=False) for g in range(args.prompts_per_epoch)])
+
+        # ---- TRAINING: per micro-batch, K random steps per sample (mixed in one forward), clipped ratio ----
+        transformer.train()
+        step_gen = seeded_generator(torch.device("cpu"), args.seed, epoch, rank, STEP_STREAM)
+        stats = {"policy_loss": [], "approx_kl": [], "clipfrac": []}
+        on_policy_dev, micro = float("nan"), 0
+        for b, batch in enumerate(tqdm(batches, desc=f"epoch {epoch} training", disable=rank != 0, leave=False)):
+            latents, rows = batch["latents"], torch.arange(args.batch_size, device=device)
+            steps = select_train_steps(args.batch_size, args.num_steps, args.timestep_fraction, step_gen).to(device)
+            for j in range(num_train_steps):
+                t = steps[:, j]  # (B,) each sample's own transition t -> t + 1
+                with autocast:
+                    v = predict_velocity(transformer, latents[rows, t], sigmas[t], all_embeds[batch["pos"]],
+                                         all_pooled[batch["pos"]], text_ids, img_ids, args.guidance_scale)
+                _, log_prob, _, _ = sde_step(v, latents[rows, t], sigmas[t], sigmas[t + 1], "dance", args.noise_level,
+                                             prev_sample=latents[rows, t + 1])
+                old_log_prob = batch["log_probs"][rows, t]
+                policy_loss, ratio = grpo_loss(log_prob, old_log_prob, my_adv[b], args.clip_range, args.adv_clip)
+                scaler.scale(policy_loss / accum).backward()
+                if micro == 0:  # the epoch's first micro-step runs the rollout's exact weights: ratio must be 1
+                    on_policy_dev = (ratio - 1).abs().max().item()
+                    if on_policy_dev > args.on_policy_tol and rank == 0:
+                        print(f"WARNING: on-policy max |ratio - 1| = {on_policy_dev:.2e} > {args.on_policy_tol}: "
+                              "the rollout and training forwards differ")
+                stats["policy_loss"].append(policy_loss.item())
+                stats["approx_kl"].append(0.5 * ((log_prob - old_log_prob) ** 2).mean().item())
+                stats["clipfrac"].append(((ratio - 1).abs() > args.clip_range).float().mean().item())
+                micro += 1
+                if micro % accum:
+                    continue
+                # one optimizer step: average LoRA grads over ranks in one flat all-reduce, clip, step, EMA
+                flat = torch.cat([p.grad.flatten() for p in lora_params])
+                if world > 1:
+                    dist.all_reduce(flat)
+                    flat /= world
+                offset = 0
+                for p in lora_params:
+                    p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
+                scaler.unscale_(optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, args.max_grad_norm)
+                if not torch.isfinite(grad_norm) and not scaler.is_enabled():
+                    fail(f"non-finite loss/gradient at epoch {epoch}, step {global_step}; stopping. The last "
+                         f"checkpoint under {run_dir}/checkpoints is intact")
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                global_step += 1
+                decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))  # upstream EMA warm-up
+                with torch.no_grad():
+                    for e, p in zip(ema_params, lora_params):
+                        e.mul_(decay).add_(p.detach(), alpha=1 - decay)
+
+        # ---- LOGGING, CHECKPOINT ----
+        epoch_seconds = time.time() - epoch_start
+        metrics.update({f"losses/{k}": float(np.mean(v)) for k, v in stats.items()})
+        metrics.update({
+            "losses/on_policy_ratio_dev": on_policy_dev, "losses/grad_norm": float(grad_norm),
+            "reward/mean": all_rewards.mean().item(), "reward/std": all_rewards.std(unbiased=False).item(),
+            "reward/zero_std_group_frac": (group_std == 0).float().mean().item(),
+            **{f"reward/{k}": v.mean().item() for k, v in all_components.items()},
+            "charts/global_step": global_step, "charts/learning_rate": args.learning_rate,
+            "perf/images_per_sec": images_per_epoch / sampling_seconds, "perf/epoch_seconds": epoch_seconds,
+            "perf/max_mem_gb": peak_memory_gb(device),
+        })
+        if epoch + 1 == args.epochs:
+            metrics["eval/final_reward_mean"] = run_eval(epoch + 1)
+        log(metrics, epoch)
+        if rank == 0:
+            print(f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± {metrics['reward/std']:.4f} | policy "
+                  f"{metrics['losses/policy_loss']:.3e} | ratio dev {on_policy_dev:.1e} "
+                  f"| clipfrac {metrics['losses/clipfrac']:.3f} | {metrics['perf/images_per_sec']:.2f} img/s "
+                  f"| {epoch_seconds:.0f}s" + (f" | eval {metrics['eval/reward_mean']:.4f}" if "eval/reward_mean" in metrics else ""))
+        if (epoch + 1) % args.save_every == 0 or epoch + 1 == args.epochs:
+            if rank == 0:
+                save_checkpoint(os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}"), transformer,
+                                lora_params, ema_params, optimizer, epoch + 1, global_step, args, extra={})
+            if world > 1:
+                dist.barrier()
+    executor.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()

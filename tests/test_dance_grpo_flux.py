@@ -1,0 +1,207 @@
+"""dance_grpo_flux.py: hand-computed advantage / timestep-subset / packing units, then end-to-end runs on the tiny
+offline FLUX pipeline."""
+
+import math
+
+import pytest
+import torch
+
+from dance_grpo_flux import (dance_sigmas, group_advantages, grpo_loss, image_ids, predict_velocity, rollout,
+                             select_train_steps, unpack)
+from scripts_harness import (PROMPTS, TOY_REWARD, assert_bad_input, assert_common_run, lora_tensors, read_metrics,
+                             run_script)
+from sde import sde_step
+
+SCRIPT = "dance_grpo_flux.py"
+
+
+def tiny_flux_flags(model: str, out, precision: str = "no") -> list[str]:
+    """A seconds-long CPU run on the tiny FLUX pipeline: 32 px (a multiple of 8 = VAE x 2x2 packing), 4 steps."""
+    return ["--model", str(model), "--output-dir", str(out), "--train-prompts", PROMPTS, "--test-prompts", PROMPTS,
+            "--reward", TOY_REWARD, "--resolution", "32", "--num-steps", "4", "--eval-num-steps", "3",
+            "--group-size", "4", "--prompts-per-epoch", "2", "--batch-size", "4", "--eval-batch-size", "2",
+            "--eval-every", "1", "--save-every", "1", "--max-sequence-length", "16", "--mixed-precision", precision]
+
+
+# ---- units -------------------------------------------------------------------------------------------------------
+def test_group_advantages_use_each_groups_unbiased_std():
+    rewards = torch.tensor([1.0, 2.0, 3.0, 5.0, 4.0, 4.0])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2])
+    adv = group_advantages(rewards, groups)
+    # group 0: mean 1.5, unbiased std sqrt(0.5); group 1: mean 4, std sqrt(2); group 2: all equal -> 0
+    want = torch.tensor([-0.5 / math.sqrt(0.5), 0.5 / math.sqrt(0.5), -1 / math.sqrt(2), 1 / math.sqrt(2), 0, 0])
+    assert torch.allclose(adv, want, atol=1e-6)
+    # a group of three: (r - 2) / 1 for rewards 1, 2, 3 (unbiased std 1), interleaved with another group
+    adv = group_advantages(torch.tensor([1.0, 10.0, 2.0, 30.0, 3.0]), torch.tensor([0, 1, 0, 1, 0]))
+    assert torch.allclose(adv, torch.tensor([-1.0, -1 / math.sqrt(2), 0.0, 1 / math.sqrt(2), 1.0]), atol=1e-6)
+
+
+def test_group_advantages_are_scale_free_and_sum_to_zero_per_group():
+    rewards = torch.randn(24, generator=torch.Generator().manual_seed(0))
+    groups = torch.arange(2).repeat_interleave(12)[torch.randperm(24, generator=torch.Generator().manual_seed(1))]
+    adv = group_advantages(rewards, groups)
+    assert torch.allclose(adv, group_advantages(100 * rewards + 7, groups), atol=1e-5)
+    for g in range(2):
+        assert adv[groups == g].sum().abs() < 1e-5 and adv[groups == g].std().item() == pytest.approx(1, abs=1e-5)
+
+
+def test_select_train_steps_is_a_per_sample_subset_without_the_last_step():
+    gen = torch.Generator().manual_seed(0)
+    steps = select_train_steps(64, 12, 0.6, gen)
+    assert steps.shape == (64, int(11 * 0.6)) and steps.dtype == torch.long  # 6 of the first 11 transitions
+    assert steps.min() >= 0 and steps.max() <= 10  # transition 11 (to sigma = 0) is never trained
+    assert all(len(set(row.tolist())) == row.numel() for row in steps)  # no step twice for one sample
+    assert len({tuple(sorted(row.tolist())) for row in steps}) > 1  # samples draw independently
+    assert set(steps.flatten().tolist()) == set(range(11))  # every candidate gets drawn
+    again = select_train_steps(64, 12, 0.6, torch.Generator().manual_seed(0))
+    assert torch.equal(steps, again)  # seeded: reproducible on resume
+    assert select_train_steps(3, 4, 1.0, gen).sort(dim=1).values.tolist() == [[0, 1, 2]] * 3
+
+
+def test_grpo_loss_clips_ratio_and_advantage():
+    zero = torch.zeros(2)
+    loss, ratio = grpo_loss(zero, zero, torch.tensor([-1.0, -1.0]), clip_range=1e-4, adv_clip=5.0)
+    assert loss.item() == pytest.approx(1.0) and torch.equal(ratio, torch.ones(2))
+    lp = torch.tensor([math.log(1.5), math.log(1.5)])
+    loss, _ = grpo_loss(lp, zero, torch.tensor([1.0, -1.0]), clip_range=0.2, adv_clip=5.0)
+    assert loss.item() == pytest.approx((-1.2 + 1.5) / 2)
+    loss, _ = grpo_loss(zero, zero, torch.tensor([100.0, 100.0]), clip_range=0.2, adv_clip=5.0)
+    assert loss.item() == pytest.approx(-5.0)
+
+
+def test_dance_sigmas_are_the_shift3_grid():
+    s = dance_sigmas(4, 3.0)
+    u = torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])
+    assert torch.allclose(s, 3 * u / (1 + 2 * u))  # e.g. u = 0.5 -> 0.75
+    assert s[0] == 1 and s[-1] == 0 and s[2].item() == pytest.approx(0.75)
+
+
+def test_unpack_and_image_ids_match_the_flux_pipeline():
+    from diffusers import FluxPipeline
+
+    latents = torch.randn(2, 4, 8, 6)
+    packed = FluxPipeline._pack_latents(latents, 2, 4, 8, 6)  # (2, 4 * 3, 16)
+    assert torch.equal(unpack(packed, 8, 6), latents)
+    assert torch.equal(image_ids(4, 3, "cpu"), FluxPipeline._prepare_latent_image_ids(1, 4, 3, "cpu", torch.float32))
+
+
+@pytest.fixture(scope="module")
+def tiny_pipe(tiny_flux):
+    from diffusers import FluxPipeline
+
+    return FluxPipeline.from_pretrained(tiny_flux)
+
+
+def test_rollout_then_mixed_step_rescoring_gives_ratio_one(tiny_pipe):
+    """Training re-scores each sample at its own step in one forward: the log-probs equal the rollout's."""
+    from contextlib import nullcontext
+
+    pipe, gen = tiny_pipe, torch.Generator().manual_seed(0)
+    embeds, pooled, text_ids = pipe.encode_prompt(["a cat", "a dog", "a cow"], None, max_sequence_length=16)
+    ids, sigmas = image_ids(4, 4, "cpu"), dance_sigmas(4, 3.0)
+    noise = torch.randn(3, 16, 16, generator=gen)
+    latents, log_probs, x0_hat = rollout(pipe.transformer, noise, sigmas, "dance", 0.3, embeds, pooled, text_ids, ids,
+                                         3.5, nullcontext(), gen)
+    assert latents.shape == (3, 5, 16, 16) and log_probs.shape == (3, 4) and x0_hat.shape == (3, 16, 16)
+    assert torch.equal(latents[:, 0], noise) and torch.isfinite(log_probs).all()
+    t, rows = torch.tensor([0, 2, 1]), torch.arange(3)
+    with torch.no_grad():
+        v = predict_velocity(pipe.transformer, latents[rows, t], sigmas[t], embeds, pooled, text_ids, ids, 3.5)
+    _, log_prob, _, _ = sde_step(v, latents[rows, t], sigmas[t], sigmas[t + 1], "dance", 0.3,
+                                 prev_sample=latents[rows, t + 1])
+    assert torch.allclose(log_prob, log_probs[rows, t], atol=1e-5, rtol=0)
+
+
+# ---- end to end ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def one_process_run(tiny_flux, tmp_path_factory):
+    return run_script(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path_factory.mktemp("dance1")) + ["--epochs", "2"])
+
+
+def test_one_process_run(one_process_run):
+    metrics = assert_common_run(one_process_run, epochs=2)
+    for m in metrics:
+        assert m["losses/on_policy_ratio_dev"] < 1e-3
+        assert m["charts/global_step"] > 0 and math.isfinite(m["losses/approx_kl"])
+    assert metrics[-1]["charts/global_step"] == 4  # 2 epochs x --updates-per-epoch 2
+
+
+def test_resume_matches_uninterrupted_run(tiny_flux, tmp_path, one_process_run):
+    first = run_script(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path / "a") + ["--epochs", "1"])
+    resumed = run_script(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path / "b") + [
+        "--epochs", "2", "--resume", str(first / "checkpoints" / "epoch_00001")])
+    assert [m["epoch"] for m in read_metrics(resumed)] == [1]
+    want = lora_tensors(one_process_run / "checkpoints" / "epoch_00002")
+    got = lora_tensors(resumed / "checkpoints" / "epoch_00002")
+    assert all(torch.allclose(w, g, atol=1e-6) for w, g in zip(want, got))
+
+
+def test_two_process_torchrun(tiny_flux, tmp_path):
+    run_dir = run_script(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path, precision="bf16") + [
+        "--epochs", "2", "--batch-size", "2", "--no-init-same-noise", "--ema-decay", "0.9"], nproc=2)
+    for m in assert_common_run(run_dir, epochs=2):
+        assert m["losses/on_policy_ratio_dev"] < 1e-3
+
+
+def test_learning_brightness_rises(tiny_flux, tmp_path):
+    # eta 1.0 and groups of 8 (not the recipe's 0.3) so the tiny model's images differ enough to learn from
+    run_dir = run_script(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path) + [
+        "--epochs", "12", "--group-size", "8", "--batch-size", "8", "--noise-level", "1.0", "--learning-rate", "5e-3",
+        "--clip-range", "0.2", "--timestep-fraction", "1.0", "--eval-every", "100", "--save-every", "100"])
+    metrics = read_metrics(run_dir)
+    rewards = [m["reward/mean"] for m in metrics]
+    # eval is a deterministic ODE from fixed noise: its change is all learning; scale = the first epoch's spread
+    gain = metrics[-1]["eval/final_reward_mean"] - metrics[0]["eval/reward_mean"]
+    assert gain > 2 * metrics[0]["reward/std"], (gain, metrics[0]["reward/std"])
+    assert sum(rewards[6:]) / 6 > sum(rewards[:2]) / 2, rewards
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--train-prompts", "missing.txt"], "does not exist"),
+    (["--reward", "no_such_reward"], "no_such_reward"),
+    (["--model", "/nonexistent/model"], "neither an existing local path"),
+    (["--prompts-per-epoch", "3"], "do not split"),
+    (["--updates-per-epoch", "3"], "--updates-per-epoch"),
+    (["--group-size", "1", "--batch-size", "1"], "at least 2 images"),
+    (["--timestep-fraction", "0.1"], "trains no step"),
+    (["--resume", "/tmp"], "not a checkpoint directory"),
+])
+def test_bad_input_is_rejected_before_loading(tiny_flux, tmp_path, flags, message):
+    assert_bad_input(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path) + flags, message)
+
+
+def test_resolution_must_fit_the_packing(tiny_flux, tmp_path):
+    assert_bad_input(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path) + ["--resolution", "36"], "not a multiple of 8")
+
+
+def test_non_finite_loss_stops_with_message_and_keeps_checkpoint(tiny_flux, tmp_path):
+    flags = tiny_flux_flags(tiny_flux, tmp_path) + ["--epochs", "3", "--reward", "tests/toy_rewards.py:nan_after_two_batches",
+                                                    "--eval-reward", TOY_REWARD]
+    proc = run_script(SCRIPT, flags, check=False)
+    assert proc.returncode != 0 and "non-finite" in proc.stderr.strip().splitlines()[-1]
+    checkpoints = sorted((p for p in tmp_path.glob("*/checkpoints/*")), key=lambda p: p.name)
+    assert [p.name for p in checkpoints] == ["epoch_00001"]
+    assert all(torch.isfinite(t).all() for t in lora_tensors(checkpoints[0]))
+
+
+def test_saved_lora_loads_into_the_flux_pipeline(tiny_pipe, one_process_run):
+    before = {n: p.clone() for n, p in tiny_pipe.transformer.named_parameters() if "to_q" in n}
+    tiny_pipe.load_lora_weights(str(one_process_run / "checkpoints" / "epoch_00002" / "lora"))
+    try:
+        image = tiny_pipe("a cat", num_inference_steps=2, height=32, width=32, max_sequence_length=16,
+                          output_type="pt").images
+        assert image.shape == (1, 3, 32, 32) and torch.isfinite(image).all()
+        assert any("lora" in n for n, _ in tiny_pipe.transformer.named_parameters())
+    finally:
+        tiny_pipe.unload_lora_weights()
+    assert all(torch.equal(p, before[n]) for n, p in tiny_pipe.transformer.named_parameters() if n in before)
+
+
+def test_eval_only_scores_a_checkpoint(tiny_flux, tmp_path, one_process_run):
+    ckpt = one_process_run / "checkpoints" / "epoch_00002"
+    run_dir = run_script(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path) + ["--eval-only", "--resume", str(ckpt)])
+    (metrics,) = read_metrics(run_dir)
+    assert metrics["epoch"] == 2 and math.isfinite(metrics["eval/reward_mean"])
+    assert (run_dir / "eval_00002.png").is_file() and not (run_dir / "checkpoints").exists()
+    final = read_metrics(one_process_run)[-1]["eval/final_reward_mean"]
+    assert metrics["eval/reward_mean"] == pytest.approx(final, abs=1e-6)
