@@ -381,6 +381,8 @@ if __name__ == "__main__":
         fail(f"--timestep-fraction {args.timestep_fraction} trains no step of the first --num-steps {args.num_steps} "
              f"- 1 transitions; raise either")
     rank, world, device = setup_distributed()
+    if device.type == "cuda":  # cuDNN attention's backward crashes or returns NaN on FLUX (torch 2.11, H100): use flash
+        torch.backends.cuda.enable_cudnn_sdp(False)
     images_per_epoch = args.prompts_per_epoch * args.group_size
     if images_per_epoch % (world * args.batch_size):
         fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split into {world} GPUs x "

@@ -59,6 +59,10 @@ class Args:
     """LoRA rank on to_q/to_k/to_v/to_out.0"""
     repeats: int = 3
     """timed repeats after one warm-up (the median is reported)"""
+    gradient_checkpointing: bool = True
+    """recompute activations in the training step's backward (the script's default for FLUX)"""
+    cudnn_attention: bool = False
+    """allow PyTorch's cuDNN SDPA backend (its backward fails on FLUX.1-dev shapes with torch 2.11 on an H100)"""
 
 
 def build(args, device, dtype):
@@ -87,12 +91,14 @@ def build(args, device, dtype):
     lora = [p for p in pipe.transformer.parameters() if p.requires_grad]
     for p in lora:
         p.data = p.data.float()
-    pipe.transformer.enable_gradient_checkpointing()  # the script's default for FLUX
+    if args.gradient_checkpointing:
+        pipe.transformer.enable_gradient_checkpointing()
     return pipe, lora
 
 
 def main(args: Args):
     device, dtype = torch.device(args.device), torch.bfloat16
+    torch.backends.cuda.enable_cudnn_sdp(args.cudnn_attention)  # as dance_grpo_flux.py: off by default
     res = args.resolution or (720 if args.arch == "flux-dev" else 32)
     pipe, lora = build(args, device, dtype)
     tr, B = pipe.transformer, args.batch_size
@@ -125,25 +131,22 @@ def main(args: Args):
         return lp
 
     peak = matmul_peak(device, dtype)
+    nan = float("nan")
+    print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; torch {torch.__version__}; "
+          f"batch {B}, {res} px, {args.num_steps} steps, guidance embedding 3.5, bf16 base, "
+          f"grad-ckpt {args.gradient_checkpointing}\n", flush=True)
     t_ours, t_diff = timed(ours, args.repeats, device), timed(diffusers_call, args.repeats, device)
-    count_flops = device.type == "cuda"
-    rollout_flops = flops_of(ours) if count_flops else None
+    rollout_flops = flops_of(ours) if device.type == "cuda" else None
+    print(f"rollout: ours {B / t_ours:.3g} img/s, diffusers {B / t_diff:.3g} img/s, time ours/diffusers "
+          f"{t_ours / t_diff:.3f}, MFU {rollout_flops / t_ours / peak if rollout_flops else nan:.3g}", flush=True)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t_step = timed(dance_step, args.repeats, device)
-    mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-    step_flops = flops_of(dance_step) if count_flops else None
+    mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else nan
+    step_flops = flops_of(dance_step) if device.type == "cuda" else None
     ratio_dev = (torch.exp(dance_step().detach() - old_lp[:, 0]) - 1).abs().max().item()
-    nan = float("nan")
-    print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; torch {torch.__version__}; "
-          f"batch {B}, {res} px, {args.num_steps} steps, guidance embedding 3.5, bf16 base, grad-ckpt\n")
-    print("| setting | rollout img/s (ours) | rollout img/s (diffusers) | time ours/diffusers | DanceGRPO step samples/s "
-          "| step peak GiB | rollout MFU | step MFU | on-policy max abs(ratio-1) |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| {args.arch} | {B / t_ours:.3g} | {B / t_diff:.3g} | {t_ours / t_diff:.3f} | {B / t_step:.3g} | {mem:.3g} | "
-          f"{rollout_flops / t_ours / peak if rollout_flops else nan:.3g} | "
-          f"{step_flops / t_step / peak if step_flops else nan:.3g} | {ratio_dev:.1e} |")
-
+    print(f"DanceGRPO step: {B / t_step:.3g} samples/s, peak {mem:.3g} GiB, "
+          f"MFU {step_flops / t_step / peak if step_flops else nan:.3g}, on-policy max abs(ratio-1) {ratio_dev:.1e}")
 
 if __name__ == "__main__":
     main(tyro.cli(Args))

@@ -1,0 +1,613 @@
+"""Flow-GRPO on Stable Diffusion 3.5 Medium: GRPO with a PPO-clipped ratio of SDE-step log-probs.
+
+Paper: Flow-GRPO (arXiv:2505.05470). Upstream: yifan123/flow_grpo, scripts/train_sd3.py.
+Defaults = the paper's OCR run (§B.3; upstream config/grpo.py::general_ocr_sd3), rescaled to any GPU count:
+    torchrun --nproc_per_node 8 grpo_sd35.py --train-prompts ocr/train.txt --test-prompts ocr/test.txt
+PickScore run: add `--reward pickscore --kl-beta 0.01` (and the pickscore prompt files).
+One-minute CPU demo on a tiny random model:
+    python tests/tiny.py /tmp/tiny && python grpo_sd35.py --model /tmp/tiny/tiny-sd3 --train-prompts tests/assets/ocr_prompts.txt \
+        --test-prompts tests/assets/ocr_prompts.txt --resolution 64 --num-steps 4 --eval-num-steps 4 --group-size 4 \
+        --prompts-per-epoch 2 --batch-size 4 --epochs 2
+"""
+
+import json
+import math
+import os
+import re
+import resource
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import tyro
+from diffusers import StableDiffusion3Pipeline
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict
+from PIL import Image
+from tqdm import tqdm
+
+import rewards
+from sde import flow_sigma_t, sde_step
+
+
+@dataclass
+class Args:
+    # ---- experiment ----
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (wandb group and run-directory prefix)"""
+    seed: int = 42
+    """seed of LoRA init and prompt draws (identical on all ranks); sampling noise is seeded per rank and epoch"""
+    track: bool = False
+    """log to Weights & Biases (stdout and metrics.jsonl are always written)"""
+    wandb_project: str = "flowrl"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity; None = your default entity"""
+    output_dir: str = "runs"
+    """runs are written to OUTPUT_DIR/RUN_NAME (metrics, eval sheets, checkpoints)"""
+    resume: str | None = None
+    """checkpoint directory to continue from (continues at the epoch after it)"""
+    eval_only: bool = False
+    """only evaluate (the EMA weights of --resume, or the base model) on the test prompts, then exit"""
+    # ---- model ----
+    model: str = "stabilityai/stable-diffusion-3.5-medium"
+    """hub id or local path of a diffusers StableDiffusion3Pipeline"""
+    mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
+    """dtype of the frozen text encoders and transformer base, with autocast (LoRA and VAE stay fp32); no = all fp32"""
+    gradient_checkpointing: bool = False
+    """recompute transformer activations in the backward pass (less memory, ~30% slower)"""
+    lora_rank: int = 32
+    """LoRA rank on the 8 joint-attention projections of every block"""
+    lora_alpha: int = 64
+    """LoRA alpha (scale = alpha / rank)"""
+    max_sequence_length: int = 128
+    """T5 tokens per prompt (upstream: 128)"""
+    # ---- data and reward ----
+    train_prompts: str = "prompts/train.txt"
+    """training prompts: one per line, or JSONL with a `prompt` field (other fields are passed to the reward)"""
+    test_prompts: str = "prompts/test.txt"
+    """eval prompts, same format"""
+    reward: str = "ocr"
+    """a rewards.py name, a weighted list `ocr=1.0,pickscore=0.5`, or `path/to/file.py:function`"""
+    eval_reward: str | None = None
+    """reward for eval; None = the training reward"""
+    advantage_aggregation: Literal["sum", "gdpo"] = "sum"
+    """several rewards: normalise their weighted sum (upstream), or each within its group then sum (GDPO, arXiv:2601.05242)"""
+    # ---- sampling ----
+    resolution: int = 512
+    """image height and width in pixels"""
+    num_steps: int = 10
+    """SDE steps per rollout"""
+    eval_num_steps: int = 40
+    """ODE steps for eval"""
+    guidance_scale: float = 4.5
+    """classifier-free guidance scale in rollouts, training forwards and eval"""
+    noise_level: float = 0.7
+    """a in Flow-GRPO's sigma_t = a * sqrt(sigma / (1 - sigma)) (sde.py, kind='flow')"""
+    # ---- batch sizes (global ones do not depend on the GPU count) ----
+    group_size: int = 24
+    """images per prompt (the GRPO group)"""
+    prompts_per_epoch: int = 48
+    """prompts (groups) per epoch, over all GPUs"""
+    batch_size: int = 9
+    """per-GPU micro-batch, identical in rollout and training (SD3's output depends on batch composition)"""
+    eval_batch_size: int = 8
+    """per-GPU eval batch"""
+    updates_per_epoch: int = 2
+    """optimizer steps per epoch (the first is exactly on-policy)"""
+    epochs: int = 1000
+    """epochs to train (each = sample, score, update)"""
+    # ---- optimisation ----
+    learning_rate: float = 3e-4
+    """AdamW learning rate (constant)"""
+    weight_decay: float = 1e-4
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip"""
+    ema_decay: float = 0.9
+    """EMA decay of the LoRA weights used for eval and the saved `ema` LoRA (0 disables)"""
+    # ---- algorithm ----
+    clip_range: float = 1e-4
+    """PPO clip on the ratio of mean-over-elements log-probs (sde.py), hence tiny"""
+    kl_beta: float = 0.04
+    """weight of the KL to the base model (LoRA disabled), upstream form mean((mu - mu_ref)^2) / (2 sigma_t^2)"""
+    timestep_fraction: float = 0.99
+    """train on the first int(num_steps * fraction) steps (the last step's Gaussian is too sharp)"""
+    adv_clip: float = 5.0
+    """advantages are clipped to +-adv_clip"""
+    per_group_std: bool = False
+    """normalise advantages by each group's std instead of the epoch's global std (upstream default: global)"""
+    on_policy_tol: float = 1e-3
+    """warn when the epoch's first micro-step (exactly on-policy) has max |ratio - 1| above this"""
+    # ---- logging, eval, checkpoints ----
+    eval_every: int = 60
+    """evaluate every N epochs (and after the last)"""
+    eval_sheet_size: int = 16
+    """images of the first eval prompts in the contact sheet"""
+    save_every: int = 60
+    """checkpoint every N epochs (and after the last)"""
+
+
+LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+                "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]  # the 8 joint-attention projections
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Algorithm: advantages and the clipped GRPO loss
+# ---------------------------------------------------------------------------------------------------------------
+def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, per_group_std: bool, eps: float = 1e-4):
+    """(reward - its group's mean) / (std + eps), std over all rewards (upstream `global_std`) or within the group.
+
+    rewards, group_ids: (N,). Population std as upstream's np.std. A group whose rewards are all equal gets zeros.
+    """
+    rewards = rewards.double()
+    n_groups = int(group_ids.max()) + 1
+    count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, torch.ones_like(rewards))
+    mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, rewards) / count
+    centered = rewards - mean[group_ids]
+    if per_group_std:
+        var = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, centered**2) / count
+        std = var.sqrt()[group_ids]
+    else:
+        std = rewards.std(unbiased=False)
+    return (centered / (std + eps)).float()
+
+
+def compute_advantages(rewards: torch.Tensor, components: dict[str, torch.Tensor], weights: dict[str, float],
+                       group_ids: torch.Tensor, aggregation: str, per_group_std: bool) -> torch.Tensor:
+    """Advantages (N,) of the weighted reward `rewards`; with `gdpo`, each component is normalised within its group,
+    weighted and summed, then the sum is normalised over the batch (GDPO, arXiv:2601.05242)."""
+    if aggregation == "sum" or len(components) <= 1:
+        return group_advantages(rewards, group_ids, per_group_std)
+    summed = sum(w * group_advantages(components[k], group_ids, per_group_std=True) for k, w in weights.items())
+    return (summed - summed.mean()) / (summed.std(unbiased=False) + 1e-4)
+
+
+def grpo_loss(log_prob, old_log_prob, advantages, clip_range: float, adv_clip: float):
+    """PPO-clipped policy loss on per-sample (B,) log-probs; returns (loss, ratio). Upstream train_sd3.py."""
+    adv = advantages.clamp(-adv_clip, adv_clip)
+    ratio = torch.exp(log_prob - old_log_prob)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - clip_range, 1 + clip_range)
+    return torch.maximum(unclipped, clipped).mean(), ratio
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Boilerplate shared verbatim by the SD3.5 scripts: input checks, prompts, model, rollout, decode, eval, checkpoint
+# ---------------------------------------------------------------------------------------------------------------
+def fail(msg: str):
+    raise SystemExit(f"error: {msg}")
+
+
+def load_prompts(path: str) -> tuple[list[str], list[dict]]:
+    """One prompt per line, or JSONL (`.jsonl`) with a `prompt` field; returns prompts and per-prompt metadata."""
+    if not os.path.isfile(path):
+        fail(f"prompt file {path!r} does not exist")
+    with open(path, encoding="utf-8") as f:
+        lines = [line.strip() for line in f if line.strip()]
+    if not lines:
+        fail(f"prompt file {path!r} is empty")
+    if not path.endswith(".jsonl"):
+        return lines, [{} for _ in lines]
+    rows = [json.loads(line) for line in lines]
+    if any("prompt" not in row for row in rows):
+        fail(f"every line of {path!r} needs a 'prompt' field")
+    return [row["prompt"] for row in rows], rows
+
+
+def check_model_path(model: str):
+    """A local path must exist; anything shaped like `org/name` that is not a local path is taken as a hub id."""
+    if not os.path.exists(model) and not re.fullmatch(r"[\w.-]+/[\w.-]+", model):
+        fail(f"model {model!r} is neither an existing local path nor a hub id like 'org/name'")
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    """torchrun sets RANK/WORLD_SIZE: nccl on CUDA, gloo on CPU; plain `python` runs one process."""
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if "RANK" not in os.environ:
+        return 0, 1, device
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def all_gather_cat(t: torch.Tensor, world: int) -> torch.Tensor:
+    """Concatenate an equally-shaped tensor from every rank, in rank order."""
+    if world == 1:
+        return t
+    out = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(out, t.contiguous())
+    return torch.cat(out)
+
+
+def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
+    """A generator whose seed mixes (seed, epoch, rank, ...): every draw is reproducible on resume, no state to save."""
+    return torch.Generator(device).manual_seed(int(np.random.SeedSequence(list(keys)).generate_state(1)[0]))
+
+
+def encode(pipe, prompts: list[str], device, max_sequence_length: int):
+    """Text embeddings (B, L, 4096) and pooled (B, 2048), from CLIP-L + CLIP-G + T5 as SD3 does."""
+    embeds, _, pooled, _ = pipe.encode_prompt(prompts, None, None, device=device, do_classifier_free_guidance=False,
+                                              max_sequence_length=max_sequence_length)
+    return embeds, pooled
+
+
+def predict_velocity(transformer, x, sigma, embeds, pooled, neg_embeds, neg_pooled, guidance_scale: float):
+    """CFG velocity u + g (c - u) from one batched forward on [uncond; cond]; no uncond pass when g == 1.
+    `sigma`: a float or a per-sample (B,) tensor."""
+    cfg = guidance_scale != 1.0
+    timestep = (1000 * torch.as_tensor(sigma, device=x.device, dtype=torch.float32)).expand(x.shape[0])  # (B,)
+    if cfg:
+        x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
+        embeds = torch.cat([neg_embeds.expand_as(embeds), embeds])
+        pooled = torch.cat([neg_pooled.expand_as(pooled), pooled])
+    v = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds,
+                    pooled_projections=pooled, return_dict=False)[0].float()
+    if not cfg:
+        return v
+    v_uncond, v_cond = v.chunk(2)
+    return v_uncond + guidance_scale * (v_cond - v_uncond)
+
+
+@torch.no_grad()
+def rollout(transformer, noise, sigmas, kind, noise_level, embeds, pooled, neg_embeds, neg_pooled, guidance_scale,
+            autocast, generator):
+    """Sample from sigma = 1 to 0. Returns latents (B, T+1, C, h, w) and log-probs (B, T), all fp32."""
+    x, latents, log_probs = noise.float(), [noise.float()], []
+    for i in range(len(sigmas) - 1):
+        with autocast:
+            v = predict_velocity(transformer, x, sigmas[i], embeds, pooled, neg_embeds, neg_pooled, guidance_scale)
+        x, log_prob, _, _ = sde_step(v, x, sigmas[i], sigmas[i + 1], kind, noise_level, generator=generator,
+                                     sigma_max=sigmas[1])
+        latents.append(x)
+        log_probs.append(log_prob)
+    return torch.stack(latents, dim=1), torch.stack(log_probs, dim=1)
+
+
+@torch.no_grad()
+def decode(vae, latents) -> torch.Tensor:
+    """Latents -> images (B, 3, H, W) in [0, 1], decoded in fp32 with the VAE's own scaling and shift."""
+    latents = latents.float() / vae.config.scaling_factor + vae.config.shift_factor
+    return (vae.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
+
+
+def contact_sheet(images: list[np.ndarray], path: str):
+    """Save (H, W, 3) uint8 images as one near-square grid PNG."""
+    cols = math.ceil(math.sqrt(len(images)))
+    rows = math.ceil(len(images) / cols)
+    h, w = images[0].shape[:2]
+    sheet = Image.new("RGB", (cols * w, rows * h))
+    for i, img in enumerate(images):
+        sheet.paste(Image.fromarray(img), ((i % cols) * w, (i // cols) * h))
+    sheet.save(path)
+
+
+@torch.no_grad()
+def evaluate(pipe, args, prompts, metadata, reward_fn, eval_sigmas, neg, rank, world, device, autocast, shape):
+    """ODE sampling of the test prompts (prompt i on rank i % world, noise seeded by i). Returns (mean, sheet)."""
+    mine = list(range(rank, len(prompts), world))
+    scores, sheet = [], []
+    for start in range(0, len(mine), args.eval_batch_size):
+        idx = mine[start : start + args.eval_batch_size]
+        noise = torch.stack([torch.randn(shape, generator=seeded_generator(device, args.seed, i), device=device)
+                             for i in idx])
+        embeds, pooled = encode(pipe, [prompts[i] for i in idx], device, args.max_sequence_length)
+        latents, _ = rollout(pipe.transformer, noise, eval_sigmas, "ode", 0.0, embeds, pooled, *neg,
+                             args.guidance_scale, autocast, None)
+        images = decode(pipe.vae, latents[:, -1])
+        batch_scores, _ = reward_fn(images.cpu(), [prompts[i] for i in idx], [metadata[i] for i in idx])
+        scores += list(zip(idx, batch_scores.tolist()))
+        sheet += [(i, (img.permute(1, 2, 0).cpu().numpy() * 255).round().astype(np.uint8))
+                  for i, img in zip(idx, images) if i < args.eval_sheet_size]
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (scores, sheet))
+        scores, sheet = [s for g in gathered for s in g[0]], [s for g in gathered for s in g[1]]
+    return float(np.mean([s for _, s in scores])), [img for _, img in sorted(sheet, key=lambda t: t[0])]
+
+
+def save_checkpoint(path: str, transformer, lora_params, ema_params, optimizer, next_epoch, global_step, args,
+                    extra: dict):
+    """Atomic (temp dir, then rename): diffusers-format `lora/` and `ema_lora/`, plus state.pt to resume from
+    (`extra`: the algorithm's own tensors, e.g. snapshot adapters)."""
+    tmp = path + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    StableDiffusion3Pipeline.save_lora_weights(os.path.join(tmp, "lora"),
+                                               transformer_lora_layers=get_peft_model_state_dict(transformer))
+    with swapped(lora_params, ema_params):
+        StableDiffusion3Pipeline.save_lora_weights(os.path.join(tmp, "ema_lora"),
+                                                   transformer_lora_layers=get_peft_model_state_dict(transformer))
+    torch.save({"lora": [p.detach().cpu() for p in lora_params], "ema": [p.cpu() for p in ema_params],
+                "optimizer": optimizer.state_dict(), "next_epoch": next_epoch, "global_step": global_step,
+                "args": asdict(args), "extra": extra}, os.path.join(tmp, "state.pt"))
+    if os.path.exists(path):
+        os.rename(path, path + ".old")
+    os.rename(tmp, path)
+    shutil.rmtree(path + ".old", ignore_errors=True)
+
+
+@contextmanager
+def swapped(params, ema):
+    """Temporarily put the EMA values into the live LoRA parameters (for eval and the saved `ema_lora`)."""
+
+    def swap():
+        for p, e in zip(params, ema):
+            live = p.data.clone()
+            p.data.copy_(e)
+            e.copy_(live)
+
+    swap()
+    try:
+        yield
+    finally:
+        swap()
+
+
+@contextmanager
+def adapters_disabled(transformer):
+    """The base model: the same transformer with its LoRA switched off (never a second copy)."""
+    transformer.disable_adapters()
+    try:
+        yield
+    finally:
+        transformer.enable_adapters()
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+
+    # ---- input checks and batch arithmetic: fail with one clear line before any model loads ----
+    train_prompts, train_meta = ([], []) if args.eval_only else load_prompts(args.train_prompts)
+    test_prompts, test_meta = load_prompts(args.test_prompts)
+    check_model_path(args.model)
+    if args.resume and not os.path.isfile(os.path.join(args.resume, "state.pt")):
+        fail(f"--resume {args.resume!r} is not a checkpoint directory (no state.pt)")
+    try:
+        rewards.check_prompts(args.reward, train_prompts)
+        rewards.check_prompts(args.eval_reward or args.reward, test_prompts)
+    except ValueError as e:
+        fail(str(e))
+    rank, world, device = setup_distributed()
+    images_per_epoch = args.prompts_per_epoch * args.group_size
+    if images_per_epoch % (world * args.batch_size):
+        fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split into {world} GPUs x "
+             f"batch-size {args.batch_size}; change --prompts-per-epoch, --group-size or --batch-size")
+    local_images = images_per_epoch // world  # images sampled by this rank per epoch
+    num_batches = local_images // args.batch_size
+    if num_batches % args.updates_per_epoch:
+        fail(f"{num_batches} micro-batches per GPU per epoch do not split into --updates-per-epoch "
+             f"{args.updates_per_epoch}; change --updates-per-epoch or --batch-size")
+    num_train_steps = int(args.num_steps * args.timestep_fraction)
+    if num_train_steps < 1:
+        fail(f"--timestep-fraction {args.timestep_fraction} trains no step of --num-steps {args.num_steps}")
+    accum = num_batches // args.updates_per_epoch * num_train_steps  # micro-steps (batch, step) per optimizer step
+    run_name = [f"{args.exp_name}__{args.seed}__{int(time.time())}"]
+    if world > 1:
+        dist.broadcast_object_list(run_name, src=0)
+    run_dir = os.path.join(args.output_dir, run_name[0])
+    if rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        print(f"{world} GPU(s) x {num_batches} micro-batches x {args.batch_size} = {images_per_epoch} images/epoch "
+              f"({args.prompts_per_epoch} prompts x {args.group_size}); {args.updates_per_epoch} updates/epoch of "
+              f"{accum} micro-steps each; run dir {run_dir}")
+
+    # ---- model: frozen base in bf16/fp16, LoRA in fp32 (same init on every rank), VAE in fp32 ----
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}[args.mixed_precision]
+    pipe = StableDiffusion3Pipeline.from_pretrained(args.model, dtype={"default": dtype, "vae": torch.float32}).to(device)
+    transformer = pipe.transformer
+    for module in (transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
+        if module is not None:
+            module.requires_grad_(False)
+    if args.resolution % (pipe.vae_scale_factor * transformer.config.patch_size):
+        fail(f"--resolution {args.resolution} is not a multiple of {pipe.vae_scale_factor * transformer.config.patch_size}")
+    torch.manual_seed(args.seed)
+    transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian",
+                                       target_modules=LORA_TARGETS))
+    lora_params = [p for p in transformer.parameters() if p.requires_grad]
+    for p in lora_params:
+        p.data = p.data.float()
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    optimizer = torch.optim.AdamW(lora_params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.mixed_precision == "fp16")
+    ema_params = [p.detach().clone() for p in lora_params]
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    latent_shape = (transformer.config.in_channels, args.resolution // pipe.vae_scale_factor,
+                    args.resolution // pipe.vae_scale_factor)
+    pipe.scheduler.set_timesteps(args.num_steps, device=device)
+    sigmas = pipe.scheduler.sigmas.float()  # (T+1,) from 1 to 0, SD3's shifted schedule
+    pipe.scheduler.set_timesteps(args.eval_num_steps, device=device)
+    eval_sigmas = pipe.scheduler.sigmas.float()
+    with torch.no_grad():
+        neg = encode(pipe, [""], device, args.max_sequence_length)  # empty-prompt CFG embedding, computed once
+    reward_fn = rewards.build_reward(args.reward, device=device)
+    eval_reward_fn = reward_fn if args.eval_reward is None else rewards.build_reward(args.eval_reward, device=device)
+    reward_weights = reward_fn.weights  # {component: weight}
+    start_epoch, global_step = 0, 0
+    if args.resume:
+        state = torch.load(os.path.join(args.resume, "state.pt"), map_location=device)
+        for p, saved in zip(lora_params, state["lora"]):
+            p.data.copy_(saved)
+        for e, saved in zip(ema_params, state["ema"]):
+            e.copy_(saved)
+        optimizer.load_state_dict(state["optimizer"])
+        start_epoch, global_step = state["next_epoch"], state["global_step"]
+    if args.track and rank == 0:
+        import wandb
+
+        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name[0], config=vars(args),
+                   save_code=True)
+
+    def log(metrics: dict, epoch: int):
+        if rank != 0:
+            return
+        with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"epoch": epoch, **metrics}) + "\n")
+        if args.track:
+            wandb.log(metrics, step=epoch)
+
+    def run_eval(epoch: int) -> float:
+        with swapped(lora_params, ema_params):  # with --ema-decay 0 the EMA equals the live weights
+            mean, sheet = evaluate(pipe, args, test_prompts, test_meta, eval_reward_fn, eval_sigmas, neg, rank, world,
+                                   device, autocast, latent_shape)
+        if rank == 0:
+            path = os.path.join(run_dir, f"eval_{epoch:05d}.png")
+            contact_sheet(sheet, path)
+            if args.track:
+                wandb.log({"eval/sheet": wandb.Image(path)}, step=epoch)
+        return mean
+
+    if args.eval_only:
+        metrics = {"eval/reward_mean": run_eval(start_epoch)}
+        log(metrics, start_epoch)
+        if rank == 0:
+            print(f"eval after {start_epoch} epochs: {args.eval_reward or args.reward} = {metrics['eval/reward_mean']:.4f}")
+    executor = ThreadPoolExecutor(max_workers=1)  # scores batch i while batch i+1 is sampled
+    for epoch in range(start_epoch, 0 if args.eval_only else args.epochs):
+        epoch_start = time.time()
+        metrics = {"eval/reward_mean": run_eval(epoch)} if epoch % args.eval_every == 0 else {}
+
+        # ---- SAMPLING: identical prompt draw on every rank; each group's images spread over ranks ----
+        prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
+        if len(train_prompts) >= args.prompts_per_epoch:
+            chosen = torch.randperm(len(train_prompts), generator=prompt_gen)[: args.prompts_per_epoch]
+        else:
+            chosen = torch.randint(len(train_prompts), (args.prompts_per_epoch,), generator=prompt_gen)
+        order = torch.randperm(images_per_epoch, generator=prompt_gen)
+        group_ids = torch.arange(args.prompts_per_epoch).repeat_interleave(args.group_size)[order]  # (P*G,) all ranks
+        my_groups = group_ids[rank * local_images : (rank + 1) * local_images].view(num_batches, args.batch_size)
+        noise_gen = seeded_generator(device, args.seed, epoch, rank)
+        transformer.eval()
+        batches, futures = [], []
+        for b in tqdm(range(num_batches), desc=f"epoch {epoch} sampling", disable=rank != 0, leave=False):
+            idx = [int(chosen[g]) for g in my_groups[b]]
+            prompts, meta = [train_prompts[i] for i in idx], [train_meta[i] for i in idx]
+            with torch.no_grad():
+                embeds, pooled = encode(pipe, prompts, device, args.max_sequence_length)
+            noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen, device=device)
+            latents, log_probs = rollout(transformer, noise, sigmas, "flow", args.noise_level, embeds, pooled, *neg,
+                                         args.guidance_scale, autocast, noise_gen)  # (B, T+1, C, h, w), (B, T)
+            futures.append(executor.submit(reward_fn, decode(pipe.vae, latents[:, -1]).cpu(), prompts, meta))
+            batches.append({"embeds": embeds, "pooled": pooled, "latents": latents, "log_probs": log_probs})
+        sampling_seconds = time.time() - epoch_start
+
+        # ---- REWARD: wait for the scorer, gather every rank's rewards in rank order ----
+        results = [f.result() for f in futures]
+        local_rewards = torch.cat([r[0] for r in results]).float()  # (local_images,)
+        components = {k: torch.cat([r[1][k] for r in results]) for k in reward_weights}  # each (local_images,)
+        all_rewards = all_gather_cat(local_rewards.to(device), world).cpu()  # (P*G,) aligned with group_ids
+        all_components = {k: all_gather_cat(v.to(device), world).cpu() for k, v in components.items()}
+        if reward_fn.group_transform is not None:  # groupwise rewards (pickscore_rank) see whole groups only here
+            all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
+
+        # ---- ADVANTAGE: per-prompt mean, global (or per-group) std ----
+        advantages = compute_advantages(all_rewards, all_components, reward_weights, group_ids,
+                                        args.advantage_aggregation, args.per_group_std)
+        my_adv = advantages[rank * local_images : (rank + 1) * local_images].to(device).view(num_batches, -1)
+        group_std = torch.stack([all_rewards[group_ids == g].std(unbiased=False) for g in range(args.prompts_per_epoch)])
+
+        # ---- TRAINING: per micro-batch and trained step, CFG forward with grad, clipped ratio + beta * KL ----
+        transformer.train()
+        stats = {"policy_loss": [], "kl": [], "approx_kl": [], "clipfrac": []}
+        on_policy_dev, micro = float("nan"), 0
+        for b, batch in enumerate(tqdm(batches, desc=f"epoch {epoch} training", disable=rank != 0, leave=False)):
+            latents = batch["latents"]
+            for j in range(num_train_steps):
+                with autocast:
+                    v = predict_velocity(transformer, latents[:, j], sigmas[j], batch["embeds"], batch["pooled"], *neg,
+                                         args.guidance_scale)
+                _, log_prob, mean, _ = sde_step(v, latents[:, j], sigmas[j], sigmas[j + 1], "flow", args.noise_level,
+                                                prev_sample=latents[:, j + 1], sigma_max=sigmas[1])
+                policy_loss, ratio = grpo_loss(log_prob, batch["log_probs"][:, j], my_adv[b], args.clip_range,
+                                               args.adv_clip)
+                kl = torch.zeros((), device=device)
+                if args.kl_beta > 0:
+                    with torch.no_grad(), adapters_disabled(transformer), autocast:
+                        v_ref = predict_velocity(transformer, latents[:, j], sigmas[j], batch["embeds"],
+                                                 batch["pooled"], *neg, args.guidance_scale)
+                    mean_ref = sde_step(v_ref, latents[:, j], sigmas[j], sigmas[j + 1], "flow", args.noise_level,
+                                        prev_sample=latents[:, j + 1], sigma_max=sigmas[1])[2]
+                    # KL as upstream train_sd3.py (since commit 2d76907), not the paper's exact Eq. 10:
+                    # mean over elements of (mu_theta - mu_ref)^2 / (2 sigma_t^2), sigma_t = a sqrt(s / (1 - s)) with
+                    # NO sqrt(-dt) factor; the exact Gaussian KL would sum, and divide by sigma_t^2 * (-dt).
+                    sigma_t = flow_sigma_t(sigmas[j], args.noise_level, sigmas[1])
+                    kl = (((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)) / (2 * sigma_t**2)).mean()
+                loss = policy_loss + args.kl_beta * kl
+                scaler.scale(loss / accum).backward()
+                if micro == 0:  # the epoch's first micro-step runs the rollout's exact weights: ratio must be 1
+                    on_policy_dev = (ratio - 1).abs().max().item()
+                    if on_policy_dev > args.on_policy_tol and rank == 0:
+                        print(f"WARNING: on-policy max |ratio - 1| = {on_policy_dev:.2e} > {args.on_policy_tol}: "
+                              "the rollout and training forwards differ")
+                stats["policy_loss"].append(policy_loss.item())
+                stats["kl"].append(kl.item())
+                stats["approx_kl"].append(0.5 * ((log_prob - batch["log_probs"][:, j]) ** 2).mean().item())
+                stats["clipfrac"].append(((ratio - 1).abs() > args.clip_range).float().mean().item())
+                micro += 1
+                if micro % accum:
+                    continue
+                # one optimizer step: average LoRA grads over ranks in one flat all-reduce, clip, step, EMA
+                flat = torch.cat([p.grad.flatten() for p in lora_params])
+                if world > 1:
+                    dist.all_reduce(flat)
+                    flat /= world
+                offset = 0
+                for p in lora_params:
+                    p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
+                scaler.unscale_(optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, args.max_grad_norm)
+                if not torch.isfinite(grad_norm) and not scaler.is_enabled():
+                    fail(f"non-finite loss/gradient at epoch {epoch}, step {global_step}; stopping. The last "
+                         f"checkpoint under {run_dir}/checkpoints is intact")
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                global_step += 1
+                decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))  # upstream EMA warm-up
+                with torch.no_grad():
+                    for e, p in zip(ema_params, lora_params):
+                        e.mul_(decay).add_(p.detach(), alpha=1 - decay)
+
+        # ---- LOGGING, CHECKPOINT ----
+        epoch_seconds = time.time() - epoch_start
+        metrics.update({f"losses/{k}": float(np.mean(v)) for k, v in stats.items()})
+        metrics.update({
+            "losses/on_policy_ratio_dev": on_policy_dev, "losses/grad_norm": float(grad_norm),
+            "reward/mean": all_rewards.mean().item(), "reward/std": all_rewards.std(unbiased=False).item(),
+            "reward/zero_std_group_frac": (group_std == 0).float().mean().item(),
+            **{f"reward/{k}": v.mean().item() for k, v in all_components.items()},
+            "charts/global_step": global_step, "charts/learning_rate": args.learning_rate,
+            "perf/images_per_sec": images_per_epoch / sampling_seconds, "perf/epoch_seconds": epoch_seconds,
+            "perf/max_mem_gb": peak_memory_gb(device),
+        })
+        if epoch + 1 == args.epochs:
+            metrics["eval/final_reward_mean"] = run_eval(epoch + 1)
+        log(metrics, epoch)
+        if rank == 0:
+            print(f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± {metrics['reward/std']:.4f} | policy "
+                  f"{metrics['losses/policy_loss']:.3e} kl {metrics['losses/kl']:.3e} | ratio dev {on_policy_dev:.1e} "
+                  f"| clipfrac {metrics['losses/clipfrac']:.3f} | {metrics['perf/images_per_sec']:.2f} img/s "
+                  f"| {epoch_seconds:.0f}s" + (f" | eval {metrics['eval/reward_mean']:.4f}" if "eval/reward_mean" in metrics else ""))
+        if (epoch + 1) % args.save_every == 0 or epoch + 1 == args.epochs:
+            if rank == 0:
+                save_checkpoint(os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}"), transformer,
+                                lora_params, ema_params, optimizer, epoch + 1, global_step, args, extra={})
+            if world > 1:
+                dist.barrier()
+    executor.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()
