@@ -1,13 +1,14 @@
-"""Flow-GRPO on Stable Diffusion 3.5 Medium: GRPO with a PPO-clipped ratio of SDE-step log-probs.
+"""Centered Reward Distillation (CRD) on Stable Diffusion 3.5 Medium: forward-process RL that regresses a centered
+implicit reward onto the centered external reward.
 
-Paper: Flow-GRPO (arXiv:2505.05470). Upstream: yifan123/flow_grpo, scripts/train_sd3.py.
-Defaults = the paper's OCR run (§B.3; upstream config/grpo.py::general_ocr_sd3), rescaled to any GPU count:
-    torchrun --nproc_per_node 8 grpo_sd35.py --train-prompts ocr/train.txt --test-prompts ocr/test.txt
-PickScore run: add `--reward pickscore --kl-beta 0.01` (and the pickscore prompt files).
+Paper: arXiv:2603.14128. Upstream: the paper author's port, X-GenGroup/Flow-Factory trainers/crd.py (CRDTrainer).
+Rollouts come from a "sampling" LoRA snapshot; r_theta = flow-matching-error gap of the current LoRA to an "old"
+snapshot; KL to the base model with CFG. Defaults = paper Table 3 (OCR), as mapped in the port's PR #121:
+    torchrun --nproc_per_node 8 crd_sd35.py --kl-beta 0.1 --train-prompts ocr/train.txt --test-prompts ocr/test.txt
 One-minute CPU demo on a tiny random model:
-    python tests/tiny.py /tmp/tiny && python grpo_sd35.py --model /tmp/tiny/tiny-sd3 --train-prompts tests/assets/ocr_prompts.txt \
+    python tests/tiny.py /tmp/tiny && python crd_sd35.py --model /tmp/tiny/tiny-sd3 --train-prompts tests/assets/ocr_prompts.txt \
         --test-prompts tests/assets/ocr_prompts.txt --resolution 64 --num-steps 4 --eval-num-steps 4 --group-size 4 \
-        --prompts-per-epoch 2 --batch-size 4 --epochs 2
+        --prompts-per-epoch 2 --batch-size 4 --epochs 2 --num-train-timesteps 4
 """
 
 import json
@@ -33,7 +34,7 @@ from PIL import Image
 from tqdm import tqdm
 
 import rewards
-from sde import flow_sigma_t, sde_step
+from sde import sde_step
 
 
 @dataclass
@@ -83,24 +84,22 @@ class Args:
     resolution: int = 512
     """image height and width in pixels"""
     num_steps: int = 10
-    """SDE steps per rollout"""
+    """Euler ODE steps per rollout (their sigma grid is also the training timestep grid)"""
     eval_num_steps: int = 40
-    """ODE steps for eval"""
-    guidance_scale: float = 4.5
-    """classifier-free guidance scale in rollouts, training forwards and eval"""
-    noise_level: float = 0.7
-    """a in Flow-GRPO's sigma_t = a * sqrt(sigma / (1 - sigma)) (sde.py, kind='flow')"""
+    """Euler ODE steps for eval"""
+    guidance_scale: float = 1.0
+    """classifier-free guidance scale in rollouts, the trained forward and eval (CRD is CFG-free: 1.0)"""
     # ---- batch sizes (global ones do not depend on the GPU count) ----
     group_size: int = 24
-    """images per prompt (the GRPO group)"""
+    """images per prompt (the centering group)"""
     prompts_per_epoch: int = 48
     """prompts (groups) per epoch, over all GPUs"""
-    batch_size: int = 9
-    """per-GPU micro-batch, identical in rollout and training (SD3's output depends on batch composition)"""
+    batch_size: int = 8
+    """per-GPU micro-batch in rollout and training"""
     eval_batch_size: int = 8
     """per-GPU eval batch"""
     updates_per_epoch: int = 2
-    """optimizer steps per epoch (the first is exactly on-policy)"""
+    """optimizer steps per epoch"""
     epochs: int = 1000
     """epochs to train (each = sample, score, update)"""
     # ---- optimisation ----
@@ -113,33 +112,48 @@ class Args:
     ema_decay: float = 0.9
     """EMA decay of the LoRA weights used for eval and the saved `ema` LoRA (0 disables)"""
     # ---- algorithm ----
-    clip_range: float = 1e-4
-    """PPO clip on the ratio of mean-over-elements log-probs (sde.py), hence tiny"""
-    kl_beta: float = 0.04
-    """weight of the KL to the base model (LoRA disabled), upstream form mean((mu - mu_ref)^2) / (2 sigma_t^2)"""
-    timestep_fraction: float = 0.99
-    """train on the first int(num_steps * fraction) steps (the last step's Gaussian is too sharp)"""
+    crd_beta: float = 1.0
+    """scale of the implicit reward in the regression crd_beta (r - r_mean) ~ (a - a_mean)"""
+    weight_temp: float = -1.0
+    """centering weights: < 0 uniform; > 0 softmax(+-a / T), two centerings averaged; 0 hard pools a >< 0.5"""
+    center_by: Literal["group", "batch"] = "group"
+    """centering set: each prompt's group in the gathered micro-batch (cancels log Z(c)), or all of it (the port)"""
+    adaptive_logp: bool = True
+    """divide each squared velocity error by its detached per-sample mean |error| (self-normalised ELBO gap)"""
+    old_decay: str = "0-0.25-0.005-0.999"
+    """old snapshot (implicit-reward reference) schedule "S-v0-k-vmax" over optimizer steps (see snapshot_decay)"""
+    sampling_decay: str = "75-0.0-0.0075-0.999"
+    """sampling snapshot (generates rollouts) schedule, same format (decay <= 0: hard copy, on-policy)"""
+    kl_beta: float = 0.1
+    """weight of the per-sample KL mean((v_theta - v_teacher)^2) to the base model (LoRA disabled) with CFG kl_cfg"""
+    kl_cfg: float = 4.5
+    """CFG scale of the KL teacher (the base model as it is used at inference)"""
+    reward_adaptive_kl: bool = True
+    """weight each sample's KL by c_min + a (1 - c_min), c_min = 1e-4 / kl_beta: good samples stay near the teacher"""
+    num_train_timesteps: int = 20
+    """training timesteps per sample and epoch, stratified over the eligible rollout grid (shared by the micro-batch)"""
+    timestep_range: float = 0.99
+    """train on rollout-grid sigmas >= 1 - timestep_range"""
     adv_clip: float = 5.0
-    """advantages are clipped to +-adv_clip"""
+    """advantages are clipped to +-adv_clip, then mapped to a = clip(A) / (2 adv_clip) + 0.5 in [0, 1]"""
     per_group_std: bool = False
     """normalise advantages by each group's std instead of the epoch's global std (upstream default: global)"""
-    on_policy_tol: float = 1e-3
-    """warn when the epoch's first micro-step (exactly on-policy) has max |ratio - 1| above this"""
     # ---- logging, eval, checkpoints ----
-    eval_every: int = 60
+    eval_every: int = 20
     """evaluate every N epochs (and after the last)"""
     eval_sheet_size: int = 16
     """images of the first eval prompts in the contact sheet"""
-    save_every: int = 60
+    save_every: int = 20
     """checkpoint every N epochs (and after the last)"""
 
 
 LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
                 "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]  # the 8 joint-attention projections
+ERROR_FLOOR, KL_FLOOR = 1e-5, 1e-4  # port: clamp of the adaptive mean |error|; adaptive KL weight at a = 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Algorithm: advantages and the clipped GRPO loss
+# Algorithm: advantages, snapshot schedules, implicit reward, centered loss, KL
 # ---------------------------------------------------------------------------------------------------------------
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, per_group_std: bool, eps: float = 1e-4):
     """(reward - its group's mean) / (std + eps), std over all rewards (upstream `global_std`) or within the group.
@@ -169,13 +183,68 @@ def compute_advantages(rewards: torch.Tensor, components: dict[str, torch.Tensor
     return (summed - summed.mean()) / (summed.std(unbiased=False) + 1e-4)
 
 
-def grpo_loss(log_prob, old_log_prob, advantages, clip_range: float, adv_clip: float):
-    """PPO-clipped policy loss on per-sample (B,) log-probs; returns (loss, ratio). Upstream train_sd3.py."""
-    adv = advantages.clamp(-adv_clip, adv_clip)
-    ratio = torch.exp(log_prob - old_log_prob)
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1 - clip_range, 1 + clip_range)
-    return torch.maximum(unclipped, clipped).mean(), ratio
+def snapshot_decay(step: int, spec: str) -> float:
+    """"S-v0-k-vmax" -> decay after `step` optimizer steps: v0 if step < S, else min(v0 + (step - S) k, vmax)."""
+    number = r"(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"  # 1e-3 has a dash of its own
+    match = re.fullmatch(rf"(\d+)-{number}-{number}-{number}", spec.strip())
+    if match is None:
+        raise ValueError(f"decay schedule {spec!r} is not 'S-v0-k-vmax' (four non-negative numbers, S an integer "
+                         "optimizer step), e.g. '75-0.0-0.0075-0.999'")
+    start, v0, slope, vmax = int(match[1]), float(match[2]), float(match[3]), float(match[4])
+    return v0 if step < start else min(v0 + (step - start) * slope, vmax)
+
+
+def blend_snapshot(snapshot: list[torch.Tensor], params: list[torch.Tensor], decay: float):
+    """snapshot <- decay snapshot + (1 - decay) current, in place; decay <= 0 copies, decay >= 1 freezes."""
+    decay = min(max(decay, 0.0), 1.0)  # exact in floating point at 0 (x 0 + p) and 1 (s + 0 p)
+    for s, p in zip(snapshot, params):
+        s.mul_(decay).add_(p.detach(), alpha=1 - decay)
+
+
+def train_timestep_indices(num_eligible: int, num_train: int, generator: torch.Generator) -> torch.Tensor:
+    """(num_train,) indices into the eligible grid, stratified: draw j falls in [j n / T, (j + 1) n / T)."""
+    u = torch.rand(num_train, generator=generator, device=generator.device)
+    return ((torch.arange(num_train, device=u.device) + u) * num_eligible / num_train).floor().long()
+
+
+def crd_implicit_reward(v, v_old, target, adaptive: bool = True) -> torch.Tensor:
+    """Per-sample implicit reward (B,) -mean(e^2 / w - e_old^2 / w_old); e = v - target, target = eps - x0, all
+    (B, ...); w = detached per-sample mean |e| clamped >= 1e-5 if `adaptive`, else 1. Grad through v (port: step 4)."""
+    dims = tuple(range(1, v.dim()))
+    err, err_old = v.double() - target.double(), v_old.detach().double() - target.double()
+    w, w_old = (e.detach().abs().mean(dim=dims, keepdim=True).clamp_min(ERROR_FLOOR) if adaptive else 1.0
+                for e in (err, err_old))
+    return -(err**2 / w - err_old**2 / w_old).mean(dim=dims).float()
+
+
+def crd_loss(r_theta, a, group_ids, crd_beta: float = 1.0, weight_temp: float = -1.0, adv_clip: float = 5.0):
+    """Centered reward distillation loss (scalar). r_theta, a (mapped to [0, 1]), group_ids: (N,); equal ids form a
+    centering set. Per set and weight vector p: a_bar = sum p a, r_bar = stopgrad(sum p r), d = crd_beta (r - r_bar)
+    - (a - a_bar); loss = mean_N d^2 (mean over the p's) x adv_clip / crd_beta (port: _compute_crd_loss)."""
+    total = r_theta.new_zeros(())
+    for g in group_ids.unique():
+        member = group_ids == g
+        r, ag = r_theta[member], a[member].to(r_theta.dtype)
+        uniform = torch.full_like(ag, 1 / len(ag))
+        if weight_temp < 0:
+            weights = [uniform]
+        elif weight_temp > 0:
+            weights = [torch.softmax(ag / weight_temp, dim=0), torch.softmax(-ag / weight_temp, dim=0)]
+        else:  # hard pools split at a = 0.5 (the raw advantage's sign); the port splits the mapped a at 0 (degenerate)
+            weights = [torch.softmax(ag.masked_fill(~pool, -math.inf), dim=0) if pool.any() else uniform
+                       for pool in (ag > 0.5, ag < 0.5)]
+        for p in weights:
+            d = crd_beta * (r - (p * r).sum().detach()) - (ag - (p * ag).sum())
+            total = total + (d**2).sum() / len(weights)
+    return total / len(r_theta) * adv_clip / crd_beta
+
+
+def crd_kl(v, v_teacher, a, kl_beta: float, reward_adaptive: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kl_beta * weighted mean of per-sample KL, per-sample KL (B,)), KL = mean((v - v_teacher)^2); the weight is
+    c_min + a (1 - c_min) with c_min = 1e-4 / kl_beta when reward-adaptive, else 1 (port: step 7)."""
+    kl = ((v - v_teacher.detach()) ** 2).mean(dim=tuple(range(1, v.dim())))  # (B,)
+    weight = KL_FLOOR / kl_beta + a * (1 - KL_FLOOR / kl_beta) if reward_adaptive and kl_beta > 0 else 1.0
+    return kl_beta * (weight * kl).mean(), kl.detach()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -378,8 +447,11 @@ if __name__ == "__main__":
     try:
         rewards.check_prompts(args.reward, train_prompts)
         rewards.check_prompts(args.eval_reward or args.reward, test_prompts)
+        snapshot_decay(0, args.old_decay), snapshot_decay(0, args.sampling_decay)
     except ValueError as e:
         fail(str(e))
+    if args.num_train_timesteps < 1 or args.timestep_range <= 0:
+        fail(f"--num-train-timesteps {args.num_train_timesteps} and --timestep-range {args.timestep_range} must be > 0")
     rank, world, device = setup_distributed()
     images_per_epoch = args.prompts_per_epoch * args.group_size
     if images_per_epoch % (world * args.batch_size):
@@ -390,10 +462,10 @@ if __name__ == "__main__":
     if num_batches % args.updates_per_epoch:
         fail(f"{num_batches} micro-batches per GPU per epoch do not split into --updates-per-epoch "
              f"{args.updates_per_epoch}; change --updates-per-epoch or --batch-size")
-    num_train_steps = int(args.num_steps * args.timestep_fraction)
-    if num_train_steps < 1:
-        fail(f"--timestep-fraction {args.timestep_fraction} trains no step of --num-steps {args.num_steps}")
-    accum = num_batches // args.updates_per_epoch * num_train_steps  # micro-steps (batch, step) per optimizer step
+    if args.center_by == "group" and math.gcd(args.group_size, world * args.batch_size) < 2:  # smallest group piece
+        fail(f"--group-size {args.group_size} and {world} GPUs x --batch-size {args.batch_size} leave a prompt with a "
+             "single image in some micro-step, which group centering cannot use; make them share a factor >= 2")
+    accum = num_batches // args.updates_per_epoch * args.num_train_timesteps  # micro-steps per optimizer step
     run_name = [f"{args.exp_name}__{args.seed}__{int(time.time())}"]
     if world > 1:
         dist.broadcast_object_list(run_name, src=0)
@@ -424,15 +496,19 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(lora_params, lr=args.learning_rate, weight_decay=args.weight_decay)
     scaler = torch.amp.GradScaler(device.type, enabled=args.mixed_precision == "fp16")
     ema_params = [p.detach().clone() for p in lora_params]
+    # old/sampling LoRA states: fp32 snapshots copied into the one peft adapter (`swapped`; far cheaper than a forward)
+    old_params = [p.detach().clone() for p in lora_params]  # the implicit reward's reference
+    sampling_params = [p.detach().clone() for p in lora_params]  # generates the rollouts
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     latent_shape = (transformer.config.in_channels, args.resolution // pipe.vae_scale_factor,
                     args.resolution // pipe.vae_scale_factor)
     pipe.scheduler.set_timesteps(args.num_steps, device=device)
     sigmas = pipe.scheduler.sigmas.float()  # (T+1,) from 1 to 0, SD3's shifted schedule
+    train_sigmas = sigmas[:-1][sigmas[:-1] >= 1 - args.timestep_range]  # (n,) training timesteps, sigma 1 always in
     pipe.scheduler.set_timesteps(args.eval_num_steps, device=device)
     eval_sigmas = pipe.scheduler.sigmas.float()
     with torch.no_grad():
-        neg = encode(pipe, [""], device, args.max_sequence_length)  # empty-prompt CFG embedding, computed once
+        neg = encode(pipe, [""], device, args.max_sequence_length)  # empty prompt: eval CFG and the CFG KL teacher
     reward_fn = rewards.build_reward(args.reward, device=device)
     eval_reward_fn = reward_fn if args.eval_reward is None else rewards.build_reward(args.eval_reward, device=device)
     reward_weights = reward_fn.weights  # {component: weight}
@@ -441,8 +517,9 @@ if __name__ == "__main__":
         state = torch.load(os.path.join(args.resume, "state.pt"), map_location=device)
         for p, saved in zip(lora_params, state["lora"]):
             p.data.copy_(saved)
-        for e, saved in zip(ema_params, state["ema"]):
-            e.copy_(saved)
+        for snapshot, key in ((ema_params, "ema"), (old_params, "old"), (sampling_params, "sampling")):
+            for s, saved in zip(snapshot, state["ema"] if key == "ema" else state["extra"][key]):
+                s.copy_(saved)
         optimizer.load_state_dict(state["optimizer"])
         start_epoch, global_step = state["next_epoch"], state["global_step"]
     if args.track and rank == 0:
@@ -475,33 +552,36 @@ if __name__ == "__main__":
         log(metrics, start_epoch)
         if rank == 0:
             print(f"eval after {start_epoch} epochs: {args.eval_reward or args.reward} = {metrics['eval/reward_mean']:.4f}")
+    # image i: prompt i // G, gathered micro-step i // (W B), rank (i // B) % W: groups contiguous, centered per step
+    layout = torch.arange(images_per_epoch).view(num_batches, world, args.batch_size)  # image ids (steps, W, B)
+    group_ids = layout.transpose(0, 1).flatten() // args.group_size  # (P*G,) in gathered (rank-major) order
+    step_groups = (layout.flatten(1) // args.group_size * (args.center_by == "group")).to(device)  # (steps, W*B)
+    my_groups = group_ids[rank * local_images : (rank + 1) * local_images].view(num_batches, args.batch_size)
     executor = ThreadPoolExecutor(max_workers=1)  # scores batch i while batch i+1 is sampled
     for epoch in range(start_epoch, 0 if args.eval_only else args.epochs):
         epoch_start = time.time()
         metrics = {"eval/reward_mean": run_eval(epoch)} if epoch % args.eval_every == 0 else {}
 
-        # ---- SAMPLING: identical prompt draw on every rank; each group's images spread over ranks ----
+        # ---- SAMPLING: Euler ODE at CFG guidance_scale with the sampling snapshot; keep only x0 ----
         prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
         if len(train_prompts) >= args.prompts_per_epoch:
             chosen = torch.randperm(len(train_prompts), generator=prompt_gen)[: args.prompts_per_epoch]
         else:
             chosen = torch.randint(len(train_prompts), (args.prompts_per_epoch,), generator=prompt_gen)
-        order = torch.randperm(images_per_epoch, generator=prompt_gen)
-        group_ids = torch.arange(args.prompts_per_epoch).repeat_interleave(args.group_size)[order]  # (P*G,) all ranks
-        my_groups = group_ids[rank * local_images : (rank + 1) * local_images].view(num_batches, args.batch_size)
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
         transformer.eval()
         batches, futures = [], []
-        for b in tqdm(range(num_batches), desc=f"epoch {epoch} sampling", disable=rank != 0, leave=False):
-            idx = [int(chosen[g]) for g in my_groups[b]]
-            prompts, meta = [train_prompts[i] for i in idx], [train_meta[i] for i in idx]
-            with torch.no_grad():
-                embeds, pooled = encode(pipe, prompts, device, args.max_sequence_length)
-            noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen, device=device)
-            latents, log_probs = rollout(transformer, noise, sigmas, "flow", args.noise_level, embeds, pooled, *neg,
-                                         args.guidance_scale, autocast, noise_gen)  # (B, T+1, C, h, w), (B, T)
-            futures.append(executor.submit(reward_fn, decode(pipe.vae, latents[:, -1]).cpu(), prompts, meta))
-            batches.append({"embeds": embeds, "pooled": pooled, "latents": latents, "log_probs": log_probs})
+        with swapped(lora_params, sampling_params):
+            for b in tqdm(range(num_batches), desc=f"epoch {epoch} sampling", disable=rank != 0, leave=False):
+                idx = [int(chosen[g]) for g in my_groups[b]]
+                prompts, meta = [train_prompts[i] for i in idx], [train_meta[i] for i in idx]
+                with torch.no_grad():
+                    embeds, pooled = encode(pipe, prompts, device, args.max_sequence_length)
+                noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen, device=device)
+                x0 = rollout(transformer, noise, sigmas, "ode", 0.0, embeds, pooled, *neg, args.guidance_scale,
+                             autocast, None)[0][:, -1]  # (B, C, h, w)
+                futures.append(executor.submit(reward_fn, decode(pipe.vae, x0).cpu(), prompts, meta))
+                batches.append((embeds, pooled, x0))
         sampling_seconds = time.time() - epoch_start
 
         # ---- REWARD: wait for the scorer, gather every rank's rewards in rank order ----
@@ -513,49 +593,45 @@ if __name__ == "__main__":
         if reward_fn.group_transform is not None:  # groupwise rewards (pickscore_rank) see whole groups only here
             all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
 
-        # ---- ADVANTAGE: per-prompt mean, global (or per-group) std ----
+        # ---- ADVANTAGE: per-prompt mean, global (or per-group) std, clipped and mapped to a in [0, 1] ----
         advantages = compute_advantages(all_rewards, all_components, reward_weights, group_ids,
                                         args.advantage_aggregation, args.per_group_std)
-        my_adv = advantages[rank * local_images : (rank + 1) * local_images].to(device).view(num_batches, -1)
+        mapped = (advantages.clamp(-args.adv_clip, args.adv_clip) / (2 * args.adv_clip) + 0.5).to(device)
+        step_a = mapped.view(world, num_batches, args.batch_size).transpose(0, 1).flatten(1)  # (steps, W*B)
         group_std = torch.stack([all_rewards[group_ids == g].std(unbiased=False) for g in range(args.prompts_per_epoch)])
 
-        # ---- TRAINING: per micro-batch and trained step, CFG forward with grad, clipped ratio + beta * KL ----
+        # ---- TRAINING: re-noise x0 at shared grid timesteps; old, current and CFG-teacher velocities at x_t ----
         transformer.train()
-        stats = {"policy_loss": [], "kl": [], "approx_kl": [], "clipfrac": []}
-        on_policy_dev, micro = float("nan"), 0
-        for b, batch in enumerate(tqdm(batches, desc=f"epoch {epoch} training", disable=rank != 0, leave=False)):
-            latents = batch["latents"]
-            for j in range(num_train_steps):
+        time_gen = seeded_generator(device, args.seed, epoch, 1)  # same timesteps on every rank (shared centering)
+        train_gen = seeded_generator(device, args.seed, epoch, rank, 1)  # this rank's re-noising
+        stats = {"policy_loss": [], "kl": [], "kl_loss": [], "r_theta": [], "old_deviate": [], "old_kl": []}
+        first_r_theta, micro = float("nan"), 0
+        mine = torch.arange(rank * args.batch_size, (rank + 1) * args.batch_size, device=device)  # own part of a step
+        for b, (embeds, pooled, x0) in enumerate(tqdm(batches, desc=f"epoch {epoch} training", disable=rank != 0,
+                                                      leave=False)):
+            for t in train_sigmas[train_timestep_indices(len(train_sigmas), args.num_train_timesteps, time_gen)]:
+                noise = torch.randn(x0.shape, generator=train_gen, device=device)
+                xt, target = (1 - t) * x0 + t * noise, noise - x0
+                with torch.no_grad(), autocast, swapped(lora_params, old_params):
+                    v_old = predict_velocity(transformer, xt, t, embeds, pooled, *neg, args.guidance_scale)
+                with torch.no_grad(), autocast, adapters_disabled(transformer):  # CFG teacher (also logged at kl 0)
+                    v_teacher = predict_velocity(transformer, xt, t, embeds, pooled, *neg, args.kl_cfg)
                 with autocast:
-                    v = predict_velocity(transformer, latents[:, j], sigmas[j], batch["embeds"], batch["pooled"], *neg,
-                                         args.guidance_scale)
-                _, log_prob, mean, _ = sde_step(v, latents[:, j], sigmas[j], sigmas[j + 1], "flow", args.noise_level,
-                                                prev_sample=latents[:, j + 1], sigma_max=sigmas[1])
-                policy_loss, ratio = grpo_loss(log_prob, batch["log_probs"][:, j], my_adv[b], args.clip_range,
-                                               args.adv_clip)
-                kl = torch.zeros((), device=device)
-                if args.kl_beta > 0:
-                    with torch.no_grad(), adapters_disabled(transformer), autocast:
-                        v_ref = predict_velocity(transformer, latents[:, j], sigmas[j], batch["embeds"],
-                                                 batch["pooled"], *neg, args.guidance_scale)
-                    mean_ref = sde_step(v_ref, latents[:, j], sigmas[j], sigmas[j + 1], "flow", args.noise_level,
-                                        prev_sample=latents[:, j + 1], sigma_max=sigmas[1])[2]
-                    # KL as upstream train_sd3.py (since commit 2d76907), not the paper's exact Eq. 10:
-                    # mean over elements of (mu_theta - mu_ref)^2 / (2 sigma_t^2), sigma_t = a sqrt(s / (1 - s)) with
-                    # NO sqrt(-dt) factor; the exact Gaussian KL would sum, and divide by sigma_t^2 * (-dt).
-                    sigma_t = flow_sigma_t(sigmas[j], args.noise_level, sigmas[1])
-                    kl = (((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)) / (2 * sigma_t**2)).mean()
-                loss = policy_loss + args.kl_beta * kl
-                scaler.scale(loss / accum).backward()
-                if micro == 0:  # the epoch's first micro-step runs the rollout's exact weights: ratio must be 1
-                    on_policy_dev = (ratio - 1).abs().max().item()
-                    if on_policy_dev > args.on_policy_tol and rank == 0:
-                        print(f"WARNING: on-policy max |ratio - 1| = {on_policy_dev:.2e} > {args.on_policy_tol}: "
-                              "the rollout and training forwards differ")
-                stats["policy_loss"].append(policy_loss.item())
-                stats["kl"].append(kl.item())
-                stats["approx_kl"].append(0.5 * ((log_prob - batch["log_probs"][:, j]) ** 2).mean().item())
-                stats["clipfrac"].append(((ratio - 1).abs() > args.clip_range).float().mean().item())
+                    v = predict_velocity(transformer, xt, t, embeds, pooled, *neg, args.guidance_scale)
+                r_local = crd_implicit_reward(v, v_old, target, args.adaptive_logp)  # (B,)
+                r_step = all_gather_cat(r_local.detach(), world).index_copy(0, mine, r_local)  # (W*B,), own with grad
+                policy_loss = crd_loss(r_step, step_a[b], step_groups[b], args.crd_beta, args.weight_temp,
+                                       args.adv_clip)
+                kl_loss, kl = crd_kl(v, v_teacher, step_a[b, mine], args.kl_beta, args.reward_adaptive_kl)
+                # only this rank's B of the W*B loss terms carry gradient: x world makes the rank-averaged
+                # gradient that of the gathered mean (the port's per-rank mean over local samples)
+                scaler.scale((world * policy_loss + kl_loss) / accum).backward()
+                if micro == 0:  # r_theta is exactly 0 while old == current (the first epoch, or old decay <= 0)
+                    first_r_theta = r_local.abs().max().item()
+                for k, value in (("policy_loss", policy_loss), ("kl", kl.mean()), ("kl_loss", kl_loss),
+                                 ("r_theta", r_local.mean()), ("old_deviate", ((v.detach() - v_old) ** 2).mean()),
+                                 ("old_kl", ((v_old - v_teacher) ** 2).mean())):  # old_kl: old vs the teacher
+                    stats[k].append(value.item())
                 micro += 1
                 if micro % accum:
                     continue
@@ -582,11 +658,17 @@ if __name__ == "__main__":
                     for e, p in zip(ema_params, lora_params):
                         e.mul_(decay).add_(p.detach(), alpha=1 - decay)
 
+        # ---- SNAPSHOTS: old, then sampling <- decay snapshot + (1 - decay) current, decays from optimizer steps ----
+        old_decay, sampling_decay = (snapshot_decay(global_step, s) for s in (args.old_decay, args.sampling_decay))
+        blend_snapshot(old_params, lora_params, old_decay)
+        blend_snapshot(sampling_params, lora_params, sampling_decay)
+
         # ---- LOGGING, CHECKPOINT ----
         epoch_seconds = time.time() - epoch_start
         metrics.update({f"losses/{k}": float(np.mean(v)) for k, v in stats.items()})
         metrics.update({
-            "losses/on_policy_ratio_dev": on_policy_dev, "losses/grad_norm": float(grad_norm),
+            "losses/first_r_theta_abs": first_r_theta, "losses/grad_norm": float(grad_norm),
+            "charts/old_decay": old_decay, "charts/sampling_decay": sampling_decay,
             "reward/mean": all_rewards.mean().item(), "reward/std": all_rewards.std(unbiased=False).item(),
             "reward/zero_std_group_frac": (group_std == 0).float().mean().item(),
             **{f"reward/{k}": v.mean().item() for k, v in all_components.items()},
@@ -599,13 +681,16 @@ if __name__ == "__main__":
         log(metrics, epoch)
         if rank == 0:
             print(f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± {metrics['reward/std']:.4f} | policy "
-                  f"{metrics['losses/policy_loss']:.3e} kl {metrics['losses/kl']:.3e} | ratio dev {on_policy_dev:.1e} "
-                  f"| clipfrac {metrics['losses/clipfrac']:.3f} | {metrics['perf/images_per_sec']:.2f} img/s "
+                  f"{metrics['losses/policy_loss']:.3e} kl {metrics['losses/kl']:.3e} | r_theta "
+                  f"{metrics['losses/r_theta']:.1e} | decay old {old_decay:.3f} sampling {sampling_decay:.3f} "
+                  f"| {metrics['perf/images_per_sec']:.2f} img/s "
                   f"| {epoch_seconds:.0f}s" + (f" | eval {metrics['eval/reward_mean']:.4f}" if "eval/reward_mean" in metrics else ""))
         if (epoch + 1) % args.save_every == 0 or epoch + 1 == args.epochs:
             if rank == 0:
                 save_checkpoint(os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}"), transformer,
-                                lora_params, ema_params, optimizer, epoch + 1, global_step, args, extra={})
+                                lora_params, ema_params, optimizer, epoch + 1, global_step, args,
+                                extra={"old": [o.cpu() for o in old_params],
+                                       "sampling": [s.cpu() for s in sampling_params]})
             if world > 1:
                 dist.barrier()
     executor.shutdown()

@@ -1,0 +1,700 @@
+"""Advantage Weighted Matching (AWM) on Stable Diffusion 3.5 Medium: advantage-weighted flow matching on final samples.
+
+Paper: arXiv:2509.25050. Upstream: scxue/advantage_weighted_matching, scripts/train_sd3_awm.py. AWM re-noises each
+rollout's FINAL clean latent at K stratified grid timesteps and uses the flow-matching loss as the policy's log-prob
+proxy in a PPO-style ratio (on-policy: ratio == 1), plus velocity-MSE KLs to the base model and to a trailing anchor
+LoRA; exactly one optimizer step per epoch. Rollouts: diffusers' SASolverScheduler (flow mode) on SD3's shift-3 grid.
+Defaults = the paper's OCR run (upstream config/dgx_awm.py::ocr_sd3_no_cfg_1node), rescaled to any GPU count:
+    torchrun --nproc_per_node 8 awm_sd35.py --train-prompts ocr/train.txt --test-prompts ocr/test.txt
+GenEval: `--reward geneval --kl-beta 0.001`; PickScore: `--reward pickscore --kl-beta 1e-4 --time-type discrete
+--noise-level 0 --prompts-per-epoch 24 --train-batch-size 2`.
+One-minute CPU demo on a tiny random model:
+    python tests/tiny.py /tmp/tiny && python awm_sd35.py --model /tmp/tiny/tiny-sd3 --train-prompts tests/assets/ocr_prompts.txt \
+        --test-prompts tests/assets/ocr_prompts.txt --resolution 64 --num-steps 6 --eval-num-steps 4 --group-size 4 \
+        --prompts-per-epoch 2 --batch-size 4 --train-batch-size 2 --train-timesteps 2 --epochs 2
+"""
+
+import json
+import math
+import os
+import re
+import resource
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import tyro
+from diffusers import SASolverScheduler, StableDiffusion3Pipeline
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict
+from PIL import Image
+from tqdm import tqdm
+
+import rewards
+from sde import sde_step
+
+
+@dataclass
+class Args:
+    # ---- experiment ----
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (wandb group and run-directory prefix)"""
+    seed: int = 42
+    """seed of LoRA init and prompt draws (identical on all ranks); sampling/training noise is seeded per rank and epoch"""
+    track: bool = False
+    """log to Weights & Biases (stdout and metrics.jsonl are always written)"""
+    wandb_project: str = "flowrl"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity; None = your default entity"""
+    output_dir: str = "runs"
+    """runs are written to OUTPUT_DIR/RUN_NAME (metrics, eval sheets, checkpoints)"""
+    resume: str | None = None
+    """checkpoint directory to continue from (continues at the epoch after it)"""
+    eval_only: bool = False
+    """only evaluate (the EMA weights of --resume, or the base model) on the test prompts, then exit"""
+    # ---- model ----
+    model: str = "stabilityai/stable-diffusion-3.5-medium"
+    """hub id or local path of a diffusers StableDiffusion3Pipeline"""
+    mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
+    """dtype of the frozen text encoders and transformer base, with autocast (LoRA and VAE stay fp32); no = all fp32"""
+    gradient_checkpointing: bool = False
+    """recompute transformer activations in the backward pass (less memory, ~30% slower)"""
+    lora_rank: int = 32
+    """LoRA rank on the 8 joint-attention projections of every block (the anchor LoRA has the same shape)"""
+    lora_alpha: int = 64
+    """LoRA alpha (scale = alpha / rank)"""
+    max_sequence_length: int = 128
+    """T5 tokens per prompt (upstream: 128)"""
+    # ---- data and reward ----
+    train_prompts: str = "prompts/train.txt"
+    """training prompts: one per line, or JSONL with a `prompt` field (other fields are passed to the reward)"""
+    test_prompts: str = "prompts/test.txt"
+    """eval prompts, same format"""
+    reward: str = "ocr"
+    """a rewards.py name, a weighted list `ocr=1.0,pickscore=0.5`, or `path/to/file.py:function`"""
+    eval_reward: str | None = None
+    """reward for eval; None = the training reward"""
+    advantage_aggregation: Literal["sum", "gdpo"] = "sum"
+    """several rewards: normalise their weighted sum (upstream), or each within its group then sum (GDPO, arXiv:2601.05242)"""
+    # ---- sampling ----
+    resolution: int = 512
+    """image height and width in pixels"""
+    num_steps: int = 14
+    """rollout steps (model evaluations); the training timesteps are drawn from the same SD3 grid"""
+    eval_num_steps: int = 40
+    """Euler ODE steps for eval"""
+    guidance_scale: float = 1.0
+    """classifier-free guidance scale in rollouts, training forwards and eval (upstream AWM: 1 = no CFG)"""
+    sampler: Literal["sa_solver", "flow_sde", "ode"] = "sa_solver"
+    """rollout solver: SA-Solver (PEC, predictor/corrector order 2; upstream), Flow-GRPO's Euler SDE (sde.py), or Euler ODE"""
+    noise_level: float = 0.4
+    """SA-Solver stochasticity tau inside --tau-window (0 = ODE); with flow_sde, a in sigma_t = a sqrt(sigma / (1 - sigma))"""
+    tau_window: tuple[float, float] = (0.3, 0.9)
+    """SA-Solver steps whose target sigma lies in this closed range use tau = --noise-level, all others tau = 0"""
+    # ---- batch sizes (global ones do not depend on the GPU count) ----
+    group_size: int = 24
+    """images per prompt (the group whose mean is the advantage baseline)"""
+    prompts_per_epoch: int = 72
+    """prompts (groups) per epoch, over all GPUs"""
+    batch_size: int = 6
+    """per-GPU rollout batch"""
+    train_batch_size: int = 3
+    """per-GPU training micro-batch of samples; each forward is train_timesteps x this wide"""
+    eval_batch_size: int = 8
+    """per-GPU eval batch"""
+    epochs: int = 1000
+    """epochs to train (each = sample, score, ONE optimizer step over all micro-batches)"""
+    # ---- optimisation ----
+    learning_rate: float = 3e-4
+    """AdamW learning rate (constant)"""
+    weight_decay: float = 1e-4
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip"""
+    ema_decay: float = 0.99
+    """eval EMA of the LoRA weights (warm-up min(decay, (1+s)/(10+s))), used for eval and the saved `ema_lora` (0 disables)"""
+    # ---- algorithm ----
+    train_timesteps: int = 6
+    """K: timesteps per micro-batch, one per stratum of the grid, shared by every sample of the micro-batch"""
+    time_type: Literal["discrete_wo_init", "discrete"] = "discrete_wo_init"
+    """K strata over rollout-grid indices [1, M) (never sigma = 1) or [0, M); M = int(num_steps * timestep_fraction)"""
+    timestep_fraction: float = 0.9
+    """fraction of the rollout grid the training timesteps are drawn from (the last, least noisy steps are skipped)"""
+    weighting: Literal["ghuber", "Uniform", "t", "t**2", "huber"] = "ghuber"
+    """how the flow-matching error becomes a log-prob (see `awm_log_prob`)"""
+    ghuber_power: float = 0.25
+    """p of the 'ghuber' weighting"""
+    clip_range: float = 1.0
+    """PPO clip on exp(logp - logp_old) (inactive on-policy, where the ratio is exactly 1)"""
+    adv_clip: float = 5.0
+    """advantages are clipped to +-adv_clip, then divided by it (to [-1, 1])"""
+    per_group_std: bool = False
+    """normalise advantages by each group's std instead of the epoch's global std (upstream default: global)"""
+    kl_beta: float = 0.003
+    """weight of mean((v - v_base)^2), the base model being the LoRA switched off"""
+    anchor_beta: float = 1.0
+    """weight of mean((v - v_anchor)^2), the anchor a trailing copy of the LoRA (upstream `ema_beta`)"""
+    anchor_decay_max: float = 0.3
+    """anchor update anchor <- d anchor + (1 - d) lora after each epoch, d = min(max, rate * global_step)"""
+    anchor_decay_rate: float = 0.001
+    """slope of the anchor decay in optimizer steps (upstream kl_ema_decay_type='linear')"""
+    # ---- logging, eval, checkpoints ----
+    eval_every: int = 50
+    """evaluate every N epochs (and after the last)"""
+    eval_sheet_size: int = 16
+    """images of the first eval prompts in the contact sheet"""
+    save_every: int = 50
+    """checkpoint every N epochs (and after the last)"""
+
+
+LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+                "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]  # the 8 joint-attention projections
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Algorithm: advantages, the AWM log-prob proxy and loss, the timestep picker, the SA-Solver rollout
+# ---------------------------------------------------------------------------------------------------------------
+def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, per_group_std: bool, eps: float = 1e-4):
+    """(reward - its group's mean) / (std + eps), std over all rewards (upstream `global_std`) or within the group.
+
+    rewards, group_ids: (N,). Population std as upstream's np.std. A group whose rewards are all equal gets zeros.
+    """
+    rewards = rewards.double()
+    n_groups = int(group_ids.max()) + 1
+    count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, torch.ones_like(rewards))
+    mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, rewards) / count
+    centered = rewards - mean[group_ids]
+    if per_group_std:
+        var = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, centered**2) / count
+        std = var.sqrt()[group_ids]
+    else:
+        std = rewards.std(unbiased=False)
+    return (centered / (std + eps)).float()
+
+
+def compute_advantages(rewards: torch.Tensor, components: dict[str, torch.Tensor], weights: dict[str, float],
+                       group_ids: torch.Tensor, aggregation: str, per_group_std: bool) -> torch.Tensor:
+    """Advantages (N,) of the weighted reward `rewards`; with `gdpo`, each component is normalised within its group,
+    weighted and summed, then the sum is normalised over the batch (GDPO, arXiv:2601.05242)."""
+    if aggregation == "sum" or len(components) <= 1:
+        return group_advantages(rewards, group_ids, per_group_std)
+    summed = sum(w * group_advantages(components[k], group_ids, per_group_std=True) for k, w in weights.items())
+    return (summed - summed.mean()) / (summed.std(unbiased=False) + 1e-4)
+
+
+LOG_PROB_EPS = 1e-10  # upstream compute_log_prob_awm: keeps (l + eps)^p differentiable at l = 0
+HUBER_OFFSET = 1e-5  # upstream 'huber': -t (sqrt(l + eps) - 1e-5)
+SA_SOLVER_T_START = 1 - 1e-3  # upstream sd3_pipeline_with_logprob: the SA-Solver grid starts just below sigma = 1
+
+
+def awm_log_prob(v, x0, noise, t, weighting="ghuber", power=0.25) -> torch.Tensor:
+    """AWM's log-likelihood proxy (B,), float64 (upstream train_sd3_awm.py::compute_log_prob_awm).
+
+    v, x0, noise: (B, ...) velocity at x_t = (1 - t) x0 + t noise, the clean latent and the noise; t: float or (B,).
+    l = mean over elements of (v - (noise - x0))^2 (the flow-matching error), then
+    'Uniform' -l, 't' -t l, 't**2' -t^2 l, 'huber' -t (sqrt(l + eps) - 1e-5), 'ghuber' -(t / p)((l + eps)^p - eps^p).
+    """
+    err = (v.double() - (noise.double() - x0.double())) ** 2
+    loss = err.mean(dim=tuple(range(1, err.ndim)))  # (B,)
+    t = torch.as_tensor(t, dtype=torch.float64, device=loss.device).expand_as(loss)
+    penalties = {"Uniform": loss, "t": t * loss, "t**2": t**2 * loss,
+                 "huber": t * (torch.sqrt(loss + LOG_PROB_EPS) - HUBER_OFFSET),
+                 "ghuber": t / power * ((loss + LOG_PROB_EPS) ** power - LOG_PROB_EPS**power)}
+    if weighting not in penalties:
+        raise ValueError(f"unknown weighting {weighting!r}; expected one of {list(penalties)}")
+    return -penalties[weighting]
+
+
+def awm_policy_loss(log_prob, old_log_prob, advantages, clip_range: float, adv_clip: float):
+    """PPO-style loss on (N,) log-probs (upstream loss_type='exp_first'): A = clip(A, +-c) / c,
+    mean(max(-A r, -A clip(r, 1 - eps, 1 + eps))) with r = exp(logp - logp_old). Returns (loss, ratio)."""
+    adv = advantages.double().clamp(-adv_clip, adv_clip) / adv_clip
+    ratio = torch.exp(log_prob - old_log_prob)
+    return torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_range, 1 + clip_range)).mean(), ratio
+
+
+def stratified_timestep_indices(num_steps: int, k: int, fraction: float, time_type: str,
+                                generator: torch.Generator) -> torch.Tensor:
+    """K rollout-grid indices (K,), one uniformly drawn per stratum (upstream train_sd3_awm.py, `time_type`).
+
+    With M = int(num_steps * fraction) the strata are the integer ranges [b_i, b_i+1) between the floored points b of
+    linspace(lo, M, K + 1): lo = 1 for 'discrete_wo_init' (index 0, sigma = 1, is never drawn), lo = 0 for 'discrete'.
+    A stratum of width 0 yields its lower end.
+    """
+    bounds = torch.linspace(0 if time_type == "discrete" else 1, int(num_steps * fraction), k + 1).long()
+    u = torch.rand(k, generator=generator, device=generator.device).cpu()
+    return bounds[:-1] + (u * (bounds[1:] - bounds[:-1])).long()
+
+
+@torch.no_grad()
+def sa_solver_rollout(transformer, scheduler, noise, sigmas, tau: float, tau_window, embeds, pooled, neg_embeds,
+                      neg_pooled, guidance_scale, autocast, generator) -> torch.Tensor:
+    """SA-Solver (arXiv:2309.05019) from noise to the clean latent x0 (B, C, h, w), fp32, one model call per step.
+
+    `scheduler`: diffusers' SASolverScheduler in flow mode. Its own flow grid never reaches sigma = 0 (its last step
+    has zero length), so it runs on upstream's grid (sd3_pipeline_with_logprob.py): SD3's `sigmas` (T+1,) without the
+    final 0, first point 1 - 1e-3, last point halved; the last call's x - sigma v is the sample (`denoise_to_zero`).
+    A step into sigma' uses tau if sigma' is in tau_window (as upstream; diffusers' tau_func sees the step's source).
+    Known difference: diffusers already corrects the second point, upstream skips that first corrector."""
+    grid = sigmas[:-1].clone()  # (T,)
+    grid[0], grid[-1] = SA_SOLVER_T_START, grid[-2] / 2
+    scheduler.set_timesteps(len(grid))  # resets the multistep history
+    scheduler.sigmas, scheduler.timesteps = torch.cat([grid, grid[-1:]]).cpu(), (1000 * grid).cpu()
+    step_tau = {float(ts): tau if tau_window[0] <= float(s_next) <= tau_window[1] else 0.0
+                for ts, s_next in zip(scheduler.timesteps[:-1], grid[1:])}
+    scheduler.tau_func = lambda timestep: step_tau[float(timestep)]
+    x = noise.float()
+    for i, sigma in enumerate(grid.tolist()):
+        with autocast:
+            v = predict_velocity(transformer, x, sigma, embeds, pooled, neg_embeds, neg_pooled, guidance_scale)
+        if i == len(grid) - 1:
+            return x - sigma * v
+        x = scheduler.step(v, scheduler.timesteps[i], x, generator=generator, return_dict=False)[0].float()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Boilerplate shared verbatim by the SD3.5 scripts: input checks, prompts, model, rollout, decode, eval, checkpoint
+# ---------------------------------------------------------------------------------------------------------------
+def fail(msg: str):
+    raise SystemExit(f"error: {msg}")
+
+
+def load_prompts(path: str) -> tuple[list[str], list[dict]]:
+    """One prompt per line, or JSONL (`.jsonl`) with a `prompt` field; returns prompts and per-prompt metadata."""
+    if not os.path.isfile(path):
+        fail(f"prompt file {path!r} does not exist")
+    with open(path, encoding="utf-8") as f:
+        lines = [line.strip() for line in f if line.strip()]
+    if not lines:
+        fail(f"prompt file {path!r} is empty")
+    if not path.endswith(".jsonl"):
+        return lines, [{} for _ in lines]
+    rows = [json.loads(line) for line in lines]
+    if any("prompt" not in row for row in rows):
+        fail(f"every line of {path!r} needs a 'prompt' field")
+    return [row["prompt"] for row in rows], rows
+
+
+def check_model_path(model: str):
+    """A local path must exist; anything shaped like `org/name` that is not a local path is taken as a hub id."""
+    if not os.path.exists(model) and not re.fullmatch(r"[\w.-]+/[\w.-]+", model):
+        fail(f"model {model!r} is neither an existing local path nor a hub id like 'org/name'")
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    """torchrun sets RANK/WORLD_SIZE: nccl on CUDA, gloo on CPU; plain `python` runs one process."""
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if "RANK" not in os.environ:
+        return 0, 1, device
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def all_gather_cat(t: torch.Tensor, world: int) -> torch.Tensor:
+    """Concatenate an equally-shaped tensor from every rank, in rank order."""
+    if world == 1:
+        return t
+    out = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(out, t.contiguous())
+    return torch.cat(out)
+
+
+def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
+    """A generator whose seed mixes (seed, epoch, rank, ...): every draw is reproducible on resume, no state to save."""
+    return torch.Generator(device).manual_seed(int(np.random.SeedSequence(list(keys)).generate_state(1)[0]))
+
+
+def encode(pipe, prompts: list[str], device, max_sequence_length: int):
+    """Text embeddings (B, L, 4096) and pooled (B, 2048), from CLIP-L + CLIP-G + T5 as SD3 does."""
+    embeds, _, pooled, _ = pipe.encode_prompt(prompts, None, None, device=device, do_classifier_free_guidance=False,
+                                              max_sequence_length=max_sequence_length)
+    return embeds, pooled
+
+
+def predict_velocity(transformer, x, sigma, embeds, pooled, neg_embeds, neg_pooled, guidance_scale: float):
+    """CFG velocity u + g (c - u) from one batched forward on [uncond; cond]; no uncond pass when g == 1.
+    `sigma`: a float or a per-sample (B,) tensor."""
+    cfg = guidance_scale != 1.0
+    timestep = (1000 * torch.as_tensor(sigma, device=x.device, dtype=torch.float32)).expand(x.shape[0])  # (B,)
+    if cfg:
+        x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
+        embeds = torch.cat([neg_embeds.expand_as(embeds), embeds])
+        pooled = torch.cat([neg_pooled.expand_as(pooled), pooled])
+    v = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds,
+                    pooled_projections=pooled, return_dict=False)[0].float()
+    if not cfg:
+        return v
+    v_uncond, v_cond = v.chunk(2)
+    return v_uncond + guidance_scale * (v_cond - v_uncond)
+
+
+@torch.no_grad()
+def rollout(transformer, noise, sigmas, kind, noise_level, embeds, pooled, neg_embeds, neg_pooled, guidance_scale,
+            autocast, generator):
+    """Sample from sigma = 1 to 0. Returns latents (B, T+1, C, h, w) and log-probs (B, T), all fp32."""
+    x, latents, log_probs = noise.float(), [noise.float()], []
+    for i in range(len(sigmas) - 1):
+        with autocast:
+            v = predict_velocity(transformer, x, sigmas[i], embeds, pooled, neg_embeds, neg_pooled, guidance_scale)
+        x, log_prob, _, _ = sde_step(v, x, sigmas[i], sigmas[i + 1], kind, noise_level, generator=generator,
+                                     sigma_max=sigmas[1])
+        latents.append(x)
+        log_probs.append(log_prob)
+    return torch.stack(latents, dim=1), torch.stack(log_probs, dim=1)
+
+
+@torch.no_grad()
+def decode(vae, latents) -> torch.Tensor:
+    """Latents -> images (B, 3, H, W) in [0, 1], decoded in fp32 with the VAE's own scaling and shift."""
+    latents = latents.float() / vae.config.scaling_factor + vae.config.shift_factor
+    return (vae.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
+
+
+def contact_sheet(images: list[np.ndarray], path: str):
+    """Save (H, W, 3) uint8 images as one near-square grid PNG."""
+    cols = math.ceil(math.sqrt(len(images)))
+    rows = math.ceil(len(images) / cols)
+    h, w = images[0].shape[:2]
+    sheet = Image.new("RGB", (cols * w, rows * h))
+    for i, img in enumerate(images):
+        sheet.paste(Image.fromarray(img), ((i % cols) * w, (i // cols) * h))
+    sheet.save(path)
+
+
+@torch.no_grad()
+def evaluate(pipe, args, prompts, metadata, reward_fn, eval_sigmas, neg, rank, world, device, autocast, shape):
+    """ODE sampling of the test prompts (prompt i on rank i % world, noise seeded by i). Returns (mean, sheet)."""
+    mine = list(range(rank, len(prompts), world))
+    scores, sheet = [], []
+    for start in range(0, len(mine), args.eval_batch_size):
+        idx = mine[start : start + args.eval_batch_size]
+        noise = torch.stack([torch.randn(shape, generator=seeded_generator(device, args.seed, i), device=device)
+                             for i in idx])
+        embeds, pooled = encode(pipe, [prompts[i] for i in idx], device, args.max_sequence_length)
+        latents, _ = rollout(pipe.transformer, noise, eval_sigmas, "ode", 0.0, embeds, pooled, *neg,
+                             args.guidance_scale, autocast, None)
+        images = decode(pipe.vae, latents[:, -1])
+        batch_scores, _ = reward_fn(images.cpu(), [prompts[i] for i in idx], [metadata[i] for i in idx])
+        scores += list(zip(idx, batch_scores.tolist()))
+        sheet += [(i, (img.permute(1, 2, 0).cpu().numpy() * 255).round().astype(np.uint8))
+                  for i, img in zip(idx, images) if i < args.eval_sheet_size]
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (scores, sheet))
+        scores, sheet = [s for g in gathered for s in g[0]], [s for g in gathered for s in g[1]]
+    return float(np.mean([s for _, s in scores])), [img for _, img in sorted(sheet, key=lambda t: t[0])]
+
+
+def save_checkpoint(path: str, transformer, lora_params, ema_params, optimizer, next_epoch, global_step, args,
+                    extra: dict):
+    """Atomic (temp dir, then rename): diffusers-format `lora/` and `ema_lora/`, plus state.pt to resume from
+    (`extra`: the algorithm's own tensors, e.g. snapshot adapters)."""
+    tmp = path + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    StableDiffusion3Pipeline.save_lora_weights(os.path.join(tmp, "lora"),
+                                               transformer_lora_layers=get_peft_model_state_dict(transformer))
+    with swapped(lora_params, ema_params):
+        StableDiffusion3Pipeline.save_lora_weights(os.path.join(tmp, "ema_lora"),
+                                                   transformer_lora_layers=get_peft_model_state_dict(transformer))
+    torch.save({"lora": [p.detach().cpu() for p in lora_params], "ema": [p.cpu() for p in ema_params],
+                "optimizer": optimizer.state_dict(), "next_epoch": next_epoch, "global_step": global_step,
+                "args": asdict(args), "extra": extra}, os.path.join(tmp, "state.pt"))
+    if os.path.exists(path):
+        os.rename(path, path + ".old")
+    os.rename(tmp, path)
+    shutil.rmtree(path + ".old", ignore_errors=True)
+
+
+@contextmanager
+def swapped(params, ema):
+    """Temporarily put the EMA values into the live LoRA parameters (for eval and the saved `ema_lora`)."""
+
+    def swap():
+        for p, e in zip(params, ema):
+            live = p.data.clone()
+            p.data.copy_(e)
+            e.copy_(live)
+
+    swap()
+    try:
+        yield
+    finally:
+        swap()
+
+
+@contextmanager
+def adapters_disabled(transformer):
+    """The base model: the same transformer with its LoRA switched off (never a second copy)."""
+    transformer.disable_adapters()
+    try:
+        yield
+    finally:
+        transformer.enable_adapters()
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+
+    # ---- input checks and batch arithmetic: fail with one clear line before any model loads ----
+    train_prompts, train_meta = ([], []) if args.eval_only else load_prompts(args.train_prompts)
+    test_prompts, test_meta = load_prompts(args.test_prompts)
+    check_model_path(args.model)
+    if args.resume and not os.path.isfile(os.path.join(args.resume, "state.pt")):
+        fail(f"--resume {args.resume!r} is not a checkpoint directory (no state.pt)")
+    try:
+        rewards.check_prompts(args.reward, train_prompts)
+        rewards.check_prompts(args.eval_reward or args.reward, test_prompts)
+    except ValueError as e:
+        fail(str(e))
+    rank, world, device = setup_distributed()
+    images_per_epoch = args.prompts_per_epoch * args.group_size
+    if images_per_epoch % (world * args.batch_size):
+        fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split into {world} GPUs x "
+             f"batch-size {args.batch_size}; change --prompts-per-epoch, --group-size or --batch-size")
+    local_images = images_per_epoch // world  # images sampled by this rank per epoch
+    num_batches = local_images // args.batch_size
+    if local_images % args.train_batch_size:
+        fail(f"{local_images} images per GPU per epoch do not split into --train-batch-size {args.train_batch_size}")
+    num_micro = local_images // args.train_batch_size  # micro-batches accumulated into the epoch's single step
+    if int(args.num_steps * args.timestep_fraction) < 2 or args.train_timesteps < 1:
+        fail(f"--num-steps {args.num_steps} x --timestep-fraction {args.timestep_fraction} leaves no training grid "
+             f"points below sigma = 1 (need int(steps x fraction) >= 2), or --train-timesteps < 1")
+    run_name = [f"{args.exp_name}__{args.seed}__{int(time.time())}"]
+    if world > 1:
+        dist.broadcast_object_list(run_name, src=0)
+    run_dir = os.path.join(args.output_dir, run_name[0])
+    if rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        print(f"{world} GPU(s) x {num_batches} rollout batches x {args.batch_size} = {images_per_epoch} images/epoch "
+              f"({args.prompts_per_epoch} prompts x {args.group_size}); 1 update/epoch of {num_micro} micro-batches "
+              f"x {args.train_batch_size} samples x {args.train_timesteps} timesteps; run dir {run_dir}")
+
+    # ---- model: frozen base in bf16/fp16, LoRA in fp32 (same init on every rank), VAE in fp32 ----
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}[args.mixed_precision]
+    pipe = StableDiffusion3Pipeline.from_pretrained(args.model, dtype={"default": dtype, "vae": torch.float32}).to(device)
+    transformer = pipe.transformer
+    for module in (transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
+        if module is not None:
+            module.requires_grad_(False)
+    if args.resolution % (pipe.vae_scale_factor * transformer.config.patch_size):
+        fail(f"--resolution {args.resolution} is not a multiple of {pipe.vae_scale_factor * transformer.config.patch_size}")
+    torch.manual_seed(args.seed)
+    transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian",
+                                       target_modules=LORA_TARGETS))
+    lora_params = [p for p in transformer.parameters() if p.requires_grad]
+    for p in lora_params:
+        p.data = p.data.float()
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    optimizer = torch.optim.AdamW(lora_params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.mixed_precision == "fp16")
+    ema_params = [p.detach().clone() for p in lora_params]
+    # the anchor ("ema" adapter upstream): a trailing copy of the LoRA, swapped into the live LoRA for its forward
+    anchor_params = [p.detach().clone() for p in lora_params]
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    latent_shape = (transformer.config.in_channels, args.resolution // pipe.vae_scale_factor,
+                    args.resolution // pipe.vae_scale_factor)
+    pipe.scheduler.set_timesteps(args.num_steps, device=device)
+    sigmas = pipe.scheduler.sigmas.float()  # (T+1,) from 1 to 0, SD3's shifted schedule: rollout and training grid
+    pipe.scheduler.set_timesteps(args.eval_num_steps, device=device)
+    eval_sigmas = pipe.scheduler.sigmas.float()
+    solver = SASolverScheduler(use_flow_sigmas=True, prediction_type="flow_prediction", predictor_order=2,
+                               corrector_order=2)
+    with torch.no_grad():
+        neg = encode(pipe, [""], device, args.max_sequence_length)  # empty-prompt CFG embedding, computed once
+    reward_fn = rewards.build_reward(args.reward, device=device)
+    eval_reward_fn = reward_fn if args.eval_reward is None else rewards.build_reward(args.eval_reward, device=device)
+    reward_weights = reward_fn.weights  # {component: weight}
+    start_epoch, global_step = 0, 0
+    if args.resume:
+        state = torch.load(os.path.join(args.resume, "state.pt"), map_location=device)
+        for params, saved in ((lora_params, "lora"), (ema_params, "ema"), (anchor_params, "anchor")):
+            for p, value in zip(params, state["extra"]["anchor"] if saved == "anchor" else state[saved]):
+                p.data.copy_(value)
+        optimizer.load_state_dict(state["optimizer"])
+        start_epoch, global_step = state["next_epoch"], state["global_step"]
+    if args.track and rank == 0:
+        import wandb
+
+        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name[0], config=vars(args),
+                   save_code=True)
+
+    def log(metrics: dict, epoch: int):
+        if rank != 0:
+            return
+        with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"epoch": epoch, **metrics}) + "\n")
+        if args.track:
+            wandb.log(metrics, step=epoch)
+
+    def run_eval(epoch: int) -> float:
+        with swapped(lora_params, ema_params):  # with --ema-decay 0 the EMA equals the live weights
+            mean, sheet = evaluate(pipe, args, test_prompts, test_meta, eval_reward_fn, eval_sigmas, neg, rank, world,
+                                   device, autocast, latent_shape)
+        if rank == 0:
+            path = os.path.join(run_dir, f"eval_{epoch:05d}.png")
+            contact_sheet(sheet, path)
+            if args.track:
+                wandb.log({"eval/sheet": wandb.Image(path)}, step=epoch)
+        return mean
+
+    if args.eval_only:
+        metrics = {"eval/reward_mean": run_eval(start_epoch)}
+        log(metrics, start_epoch)
+        if rank == 0:
+            print(f"eval after {start_epoch} epochs: {args.eval_reward or args.reward} = {metrics['eval/reward_mean']:.4f}")
+    executor = ThreadPoolExecutor(max_workers=1)  # scores batch i while batch i+1 is sampled
+    for epoch in range(start_epoch, 0 if args.eval_only else args.epochs):
+        epoch_start = time.time()
+        metrics = {"eval/reward_mean": run_eval(epoch)} if epoch % args.eval_every == 0 else {}
+
+        # ---- SAMPLING: identical prompt draw on every rank; each group's images spread over ranks; keep final x0 ----
+        prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
+        if len(train_prompts) >= args.prompts_per_epoch:
+            chosen = torch.randperm(len(train_prompts), generator=prompt_gen)[: args.prompts_per_epoch]
+        else:
+            chosen = torch.randint(len(train_prompts), (args.prompts_per_epoch,), generator=prompt_gen)
+        order = torch.randperm(images_per_epoch, generator=prompt_gen)
+        group_ids = torch.arange(args.prompts_per_epoch).repeat_interleave(args.group_size)[order]  # (P*G,) all ranks
+        my_groups = group_ids[rank * local_images : (rank + 1) * local_images].view(num_batches, args.batch_size)
+        noise_gen = seeded_generator(device, args.seed, epoch, rank)
+        transformer.eval()
+        rollouts, futures = [], []
+        for b in tqdm(range(num_batches), desc=f"epoch {epoch} sampling", disable=rank != 0, leave=False):
+            idx = [int(chosen[g]) for g in my_groups[b]]
+            prompts, meta = [train_prompts[i] for i in idx], [train_meta[i] for i in idx]
+            with torch.no_grad():
+                batch_embeds, batch_pooled = encode(pipe, prompts, device, args.max_sequence_length)
+            noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen, device=device)
+            cond = (batch_embeds, batch_pooled, *neg, args.guidance_scale, autocast, noise_gen)
+            if args.sampler == "sa_solver":
+                batch_x0 = sa_solver_rollout(transformer, solver, noise, sigmas, args.noise_level, args.tau_window, *cond)
+            else:  # the shared Euler rollout, keeping only its last latent
+                kind = "flow" if args.sampler == "flow_sde" else "ode"
+                batch_x0 = rollout(transformer, noise, sigmas, kind, args.noise_level, *cond)[0][:, -1]  # (B, C, h, w)
+            futures.append(executor.submit(reward_fn, decode(pipe.vae, batch_x0).cpu(), prompts, meta))
+            rollouts.append((batch_embeds, batch_pooled, batch_x0))
+        embeds, pooled, x0 = (torch.cat(z) for z in zip(*rollouts))  # (N, L, D), (N, D'), (N, C, h, w); N = local_images
+        sampling_seconds = time.time() - epoch_start
+
+        # ---- REWARD: wait for the scorer, gather every rank's rewards in rank order ----
+        results = [f.result() for f in futures]
+        local_rewards = torch.cat([r[0] for r in results]).float()  # (local_images,)
+        components = {k: torch.cat([r[1][k] for r in results]) for k in reward_weights}  # each (local_images,)
+        all_rewards = all_gather_cat(local_rewards.to(device), world).cpu()  # (P*G,) aligned with group_ids
+        all_components = {k: all_gather_cat(v.to(device), world).cpu() for k, v in components.items()}
+        if reward_fn.group_transform is not None:  # groupwise rewards (pickscore_rank) see whole groups only here
+            all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
+
+        # ---- ADVANTAGE: per-prompt mean, global (or per-group) std ----
+        advantages = compute_advantages(all_rewards, all_components, reward_weights, group_ids,
+                                        args.advantage_aggregation, args.per_group_std)
+        my_adv = advantages[rank * local_images : (rank + 1) * local_images].to(device)  # (local_images,)
+        group_std = torch.stack([all_rewards[group_ids == g].std(unbiased=False) for g in range(args.prompts_per_epoch)])
+
+        # ---- TRAINING: K stratified timesteps per micro-batch, fresh noise; grads accumulate into ONE step ----
+        transformer.train()
+        train_gen = seeded_generator(device, args.seed, epoch, rank, 1)  # training timesteps and noise
+        stats = {"policy_loss": [], "kl": [], "anchor_kl": [], "fm_loss": []}
+        k, bs = args.train_timesteps, args.train_batch_size
+        for start in tqdm(range(0, local_images, bs), desc=f"epoch {epoch} training", disable=rank != 0, leave=False):
+            mb = slice(start, start + bs)
+            t_idx = stratified_timestep_indices(args.num_steps, k, args.timestep_fraction, args.time_type, train_gen)
+            t = sigmas[t_idx.to(device)].repeat_interleave(bs)  # (K*B,) timestep-major: K blocks of the B samples
+            x0_k = x0[mb].repeat(k, 1, 1, 1)  # (K*B, C, h, w)
+            noise = torch.randn(x0_k.shape, generator=train_gen, device=device)
+            xt = (1 - t.view(-1, 1, 1, 1)) * x0_k + t.view(-1, 1, 1, 1) * noise
+            cond = (embeds[mb].repeat(k, 1, 1), pooled[mb].repeat(k, 1))  # (K*B, L, D), (K*B, D')
+            with torch.no_grad(), autocast:  # both reference forwards run before the graph-building one
+                if args.kl_beta > 0:
+                    with adapters_disabled(transformer):
+                        v_base = predict_velocity(transformer, xt, t, *cond, *neg, args.guidance_scale)
+                if args.anchor_beta > 0:
+                    with swapped(lora_params, anchor_params):
+                        v_anchor = predict_velocity(transformer, xt, t, *cond, *neg, args.guidance_scale)
+            with autocast:
+                v = predict_velocity(transformer, xt, t, *cond, *neg, args.guidance_scale)  # (K*B, C, h, w)
+            log_prob = awm_log_prob(v, x0_k, noise, t, args.weighting, args.ghuber_power)  # (K*B,) float64
+            # on-policy as upstream: logp_old is this very forward, detached, so the ratio is exactly 1
+            policy_loss, _ = awm_policy_loss(log_prob, log_prob.detach(), my_adv[mb].repeat(k), args.clip_range,
+                                             args.adv_clip)
+            zero = torch.zeros((), device=device)
+            kl = ((v - v_base) ** 2).mean() if args.kl_beta > 0 else zero
+            anchor_kl = ((v - v_anchor) ** 2).mean() if args.anchor_beta > 0 else zero
+            loss = policy_loss.float() + args.kl_beta * kl + args.anchor_beta * anchor_kl
+            scaler.scale(loss / num_micro).backward()
+            fm_loss = ((v.detach() - (noise - x0_k)) ** 2).mean()
+            for key, value in zip(stats, (policy_loss, kl, anchor_kl, fm_loss)):
+                stats[key].append(value.item())
+
+        # the epoch's one optimizer step: average LoRA grads over ranks in one flat all-reduce, clip, step, EMA
+        flat = torch.cat([p.grad.flatten() for p in lora_params])
+        if world > 1:
+            dist.all_reduce(flat)
+            flat /= world
+        offset = 0
+        for p in lora_params:
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        scaler.unscale_(optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, args.max_grad_norm)
+        if not torch.isfinite(grad_norm) and not scaler.is_enabled():
+            fail(f"non-finite loss/gradient at epoch {epoch}, step {global_step}; stopping. The last "
+                 f"checkpoint under {run_dir}/checkpoints is intact")
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        global_step += 1
+        decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))  # upstream EMA warm-up
+        d_anchor = min(args.anchor_decay_max, args.anchor_decay_rate * global_step)  # upstream 'linear' anchor decay
+        with torch.no_grad():
+            for e, a, p in zip(ema_params, anchor_params, lora_params):
+                e.mul_(decay).add_(p.detach(), alpha=1 - decay)
+                a.mul_(d_anchor).add_(p.detach(), alpha=1 - d_anchor)
+
+        # ---- LOGGING, CHECKPOINT ----
+        epoch_seconds = time.time() - epoch_start
+        metrics.update({f"losses/{k}": float(np.mean(v)) for k, v in stats.items()})
+        metrics.update({
+            "losses/grad_norm": float(grad_norm), "charts/anchor_decay": d_anchor,
+            "charts/x0_norm": (x0**2).mean().item(),
+            "reward/mean": all_rewards.mean().item(), "reward/std": all_rewards.std(unbiased=False).item(),
+            "reward/zero_std_group_frac": (group_std == 0).float().mean().item(),
+            **{f"reward/{k}": v.mean().item() for k, v in all_components.items()},
+            "charts/global_step": global_step, "charts/learning_rate": args.learning_rate,
+            "perf/images_per_sec": images_per_epoch / sampling_seconds, "perf/epoch_seconds": epoch_seconds,
+            "perf/max_mem_gb": peak_memory_gb(device),
+        })
+        if epoch + 1 == args.epochs:
+            metrics["eval/final_reward_mean"] = run_eval(epoch + 1)
+        log(metrics, epoch)
+        if rank == 0:
+            print(f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± {metrics['reward/std']:.4f} | policy "
+                  f"{metrics['losses/policy_loss']:.3e} kl {metrics['losses/kl']:.3e} anchor {metrics['losses/anchor_kl']:.3e}"
+                  f" | fm {metrics['losses/fm_loss']:.3e} | {metrics['perf/images_per_sec']:.2f} img/s | {epoch_seconds:.0f}s"
+                  + (f" | eval {metrics['eval/reward_mean']:.4f}" if "eval/reward_mean" in metrics else ""))
+        if (epoch + 1) % args.save_every == 0 or epoch + 1 == args.epochs:
+            if rank == 0:
+                save_checkpoint(os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}"), transformer,
+                                lora_params, ema_params, optimizer, epoch + 1, global_step, args,
+                                extra={"anchor": [a.cpu() for a in anchor_params]})
+            if world > 1:
+                dist.barrier()
+    executor.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,213 @@
+"""awm_sd35.py: hand-computed log-prob/loss/timestep units, the SA-Solver rollout on a Gaussian toy, then end-to-end
+runs on the tiny offline SD3 pipeline."""
+
+import math
+
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, SASolverScheduler
+
+from awm_sd35 import awm_log_prob, awm_policy_loss, sa_solver_rollout, stratified_timestep_indices
+from scripts_harness import (TOY_REWARD, assert_bad_input, assert_common_run, lora_tensors, read_metrics, run_script,
+                             tiny_sd35_flags)
+
+SCRIPT = "awm_sd35.py"
+FAST = ["--train-batch-size", "2", "--train-timesteps", "2"]  # tiny runs: 2 samples x 2 timesteps per forward
+
+
+# ---- units -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("weighting", ["Uniform", "t", "t**2", "huber", "ghuber"])
+def test_awm_log_prob_by_hand(weighting):
+    x0, noise = torch.randn(2, 4, 2, 2), torch.randn(2, 4, 2, 2)
+    offset = torch.tensor([0.5, 2.0]).view(2, 1, 1, 1)
+    v = (noise - x0) + offset  # flow-matching error l = offset^2 exactly: (0.25, 4)
+    t = torch.tensor([0.5, 0.25])
+    got = awm_log_prob(v, x0, noise, t, weighting=weighting, power=0.25)
+    assert got.dtype == torch.float64 and got.shape == (2,)
+    want = {
+        "Uniform": [-0.25, -4.0],
+        "t": [-0.5 * 0.25, -0.25 * 4.0],
+        "t**2": [-0.25 * 0.25, -0.0625 * 4.0],
+        "huber": [-0.5 * (math.sqrt(0.25 + 1e-10) - 1e-5), -0.25 * (math.sqrt(4 + 1e-10) - 1e-5)],
+        "ghuber": [-(0.5 / 0.25) * ((0.25 + 1e-10) ** 0.25 - 1e-10**0.25),
+                   -(0.25 / 0.25) * ((4 + 1e-10) ** 0.25 - 1e-10**0.25)],
+    }[weighting]
+    assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=1e-6)
+
+
+def test_awm_log_prob_scalar_t_power_and_unknown_weighting():
+    x0, noise = torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1)
+    v = torch.full((1, 1, 1, 1), 3.0)  # l = 9
+    assert awm_log_prob(v, x0, noise, 0.5, power=0.5).item() == pytest.approx(-(0.5 / 0.5) * (9**0.5 - 1e-5))
+    with pytest.raises(ValueError, match="unknown weighting"):
+        awm_log_prob(v, x0, noise, 0.5, weighting="elbo")
+
+
+def test_ghuber_gradient_down_weights_large_errors():
+    # d logp / d l = -t (l + eps)^(p - 1): with l = 1/16 and 16 the weights are t * 8 and t / 8 (p = 1/4)
+    l_small, l_big = torch.tensor(1 / 16, dtype=torch.float64), torch.tensor(16.0, dtype=torch.float64)
+    for l, want in ((l_small, 8.0), (l_big, 1 / 8)):
+        v = l.sqrt().view(1, 1, 1, 1).clone().requires_grad_(True)  # x0 = noise = 0, so l = v^2
+        awm_log_prob(v, torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1), 0.5).sum().backward()
+        assert v.grad.item() == pytest.approx(-0.5 * want * 2 * v.item(), rel=1e-6)  # chain rule: dl/dv = 2v
+
+
+def test_awm_policy_loss_on_policy_and_clipped():
+    lp = torch.tensor([-1.0, -2.0, -3.0], dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([10.0, -2.5, 1.0])  # clipped to +-5, divided by 5: (1, -0.5, 0.2)
+    loss, ratio = awm_policy_loss(lp, lp.detach(), adv, clip_range=1.0, adv_clip=5.0)
+    assert torch.equal(ratio, torch.ones(3, dtype=torch.float64))
+    assert loss.item() == pytest.approx(-(1 - 0.5 + 0.2) / 3)
+    loss.backward()  # on-policy the gradient is -A / N times the log-prob's
+    assert torch.allclose(lp.grad, torch.tensor([-1.0, 0.5, -0.2], dtype=torch.float64) / 3)
+    # off-policy, ratio 2.5 with A > 0 is clipped at 1 + 1 = 2; with A < 0 the unclipped -A r is the max
+    old = torch.full((2,), -math.log(2.5), dtype=torch.float64)
+    loss, _ = awm_policy_loss(torch.zeros(2, dtype=torch.float64), old, torch.tensor([5.0, -5.0]), 1.0, 5.0)
+    assert loss.item() == pytest.approx((-2.0 + 2.5) / 2)
+
+
+def test_stratified_picker_discrete_wo_init():
+    # 14 steps x 0.9 -> M = 12; floor(linspace(1, 12, 7)) = (1, 2, 4, 6, 8, 10, 12): strata [1,2) [2,4) ... [10,12)
+    lows, highs = torch.tensor([1, 2, 4, 6, 8, 10]), torch.tensor([2, 4, 6, 8, 10, 12])
+    gen = torch.Generator().manual_seed(0)
+    seen = torch.stack([stratified_timestep_indices(14, 6, 0.9, "discrete_wo_init", gen) for _ in range(400)])
+    assert seen.shape == (400, 6) and seen.dtype == torch.long
+    assert ((seen >= lows) & (seen < highs)).all()  # exactly one per stratum, never index 0 (sigma = 1)
+    for j in range(6):  # every index of every stratum is drawn
+        assert set(seen[:, j].tolist()) == set(range(lows[j], highs[j]))
+
+
+def test_stratified_picker_discrete_may_draw_sigma_one():
+    gen = torch.Generator().manual_seed(0)
+    seen = torch.stack([stratified_timestep_indices(14, 6, 0.9, "discrete", gen) for _ in range(200)])
+    assert set(seen[:, 0].tolist()) == {0, 1} and (seen < 12).all()  # floor(linspace(0, 12, 7)) = 0, 2, ..., 12
+    # a grid too short for K strata repeats lower ends instead of leaving [1, M)
+    seen = stratified_timestep_indices(4, 2, 0.9, "discrete_wo_init", gen)  # M = 3, strata [1,2) [2,3)
+    assert seen.tolist() == [1, 2]
+
+
+class GaussianVelocity(torch.nn.Module):
+    """Exact velocity for data x0 ~ N(MEAN, 1) per element, in the transformer's call signature (timestep = 1000 t)."""
+
+    MEAN = 3.0
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, pooled_projections, return_dict):
+        s = (timestep / 1000).view(-1, 1, 1, 1)
+        x0 = self.MEAN + (1 - s) / ((1 - s) ** 2 + s**2) * (hidden_states - (1 - s) * self.MEAN)  # E[x0 | x_s]
+        return ((hidden_states - x0) / s,)
+
+
+def sa_sample(tau, window=(0.3, 0.9), seed=1, n=4000):
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(14)
+    solver = SASolverScheduler(use_flow_sigmas=True, prediction_type="flow_prediction", predictor_order=2,
+                               corrector_order=2)
+    noise = torch.randn(n, 1, 2, 2, generator=torch.Generator().manual_seed(0))
+    cond = torch.zeros(n, 1, 1), torch.zeros(n, 1)
+    return sa_solver_rollout(GaussianVelocity(), solver, noise, scheduler.sigmas.float(), tau, window, *cond, *cond,
+                             1.0, torch.autocast("cpu", enabled=False), torch.Generator().manual_seed(seed))
+
+
+def test_sa_solver_rollout_reaches_the_data_distribution():
+    ode, sde = sa_sample(0.0), sa_sample(0.4)
+    for x in (ode, sde):  # diffusers' own flow grid would stop at sigma = 0.19 (mean 0.81 * 3); this one reaches data
+        assert abs(x.mean().item() - GaussianVelocity.MEAN) < 0.03 and abs(x.std().item() - 1) < 0.2
+    # upstream's own SA-Solver (AWM repo, flow_grpo/diffusers_patch/sa_solver.py) on this toy and noise, run offline:
+    # tau 0: mean 2.98756, std 1.10127, per-sample max |diff| to ours 0.006 (diffusers also corrects the 2nd point);
+    # tau 0.4 (other noise draws): mean 2.99420, std 1.12053
+    assert ode.mean().item() == pytest.approx(2.98756, abs=1e-3) and ode.std().item() == pytest.approx(1.10127, abs=3e-3)
+    assert sde.std().item() == pytest.approx(1.12053, abs=0.015)
+
+
+def test_sa_solver_rollout_noise_only_inside_the_window():
+    assert torch.equal(sa_sample(0.0, seed=1), sa_sample(0.0, seed=2))  # tau 0: an ODE, the generator is unused
+    assert torch.equal(sa_sample(0.4, window=(2.0, 3.0), seed=1), sa_sample(0.0))  # no step lands in the window
+    assert not torch.equal(sa_sample(0.4, seed=1), sa_sample(0.4, seed=2))
+
+
+# ---- end to end ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def one_process_run(tiny_sd3, tmp_path_factory):
+    out = tmp_path_factory.mktemp("awm1")
+    return run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, out) + FAST + ["--epochs", "2", "--kl-beta", "0.01"])
+
+
+def test_one_process_run(one_process_run):
+    metrics = assert_common_run(one_process_run, epochs=2)
+    for epoch, m in enumerate(metrics):
+        assert m["charts/global_step"] == epoch + 1  # exactly one optimizer step per epoch
+        assert m["charts/anchor_decay"] == pytest.approx(min(0.3, 0.001 * (epoch + 1)))
+        assert math.isfinite(m["losses/fm_loss"]) and m["losses/fm_loss"] > 0
+    assert metrics[0]["losses/kl"] == 0 and metrics[0]["losses/anchor_kl"] == 0  # LoRA B = 0: LoRA == base == anchor
+    assert metrics[1]["losses/kl"] > 0 and metrics[1]["losses/anchor_kl"] > 0  # after one step both moved apart
+
+
+def test_anchor_trails_the_lora(one_process_run):
+    states = [torch.load(one_process_run / "checkpoints" / f"epoch_{e:05d}" / "state.pt", map_location="cpu")
+              for e in (1, 2)]
+    for before, after in zip(states[0]["extra"]["anchor"], states[1]["extra"]["anchor"]):
+        assert before.shape == after.shape
+    # anchor_2 = d anchor_1 + (1 - d) lora_2 with d = min(0.3, 0.001 * 2)
+    d = 0.002
+    for a1, a2, lora2 in zip(states[0]["extra"]["anchor"], states[1]["extra"]["anchor"], states[1]["lora"]):
+        assert torch.allclose(a2, d * a1 + (1 - d) * lora2, atol=1e-6)
+    moved = [not torch.equal(a1, a2) for a1, a2 in zip(states[0]["extra"]["anchor"], states[1]["extra"]["anchor"])]
+    assert any(moved)
+    assert any(not torch.equal(a2, lora2) for a2, lora2 in zip(states[1]["extra"]["anchor"], states[1]["lora"]))
+
+
+def test_resume_matches_uninterrupted_run(tiny_sd3, tmp_path, one_process_run):
+    flags = FAST + ["--kl-beta", "0.01"]
+    first = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path / "a") + flags + ["--epochs", "1"])
+    resumed = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path / "b") + flags + [
+        "--epochs", "2", "--resume", str(first / "checkpoints" / "epoch_00001")])
+    assert [m["epoch"] for m in read_metrics(resumed)] == [1]
+    for name in ("lora", "anchor"):
+        want = torch.load(one_process_run / "checkpoints" / "epoch_00002" / "state.pt", map_location="cpu")
+        got = torch.load(resumed / "checkpoints" / "epoch_00002" / "state.pt", map_location="cpu")
+        want, got = (want[name], got[name]) if name == "lora" else (want["extra"][name], got["extra"][name])
+        assert all(torch.allclose(w, g, atol=1e-6) for w, g in zip(want, got)), name
+
+
+def test_two_process_torchrun(tiny_sd3, tmp_path):
+    run_dir = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path, precision="bf16") + FAST + [
+        "--epochs", "2", "--batch-size", "2"], nproc=2)
+    for epoch, m in enumerate(assert_common_run(run_dir, epochs=2)):
+        assert m["charts/global_step"] == epoch + 1
+
+
+def test_euler_sde_sampler_runs(tiny_sd3, tmp_path):
+    run_dir = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path) + FAST + [
+        "--epochs", "1", "--sampler", "flow_sde", "--noise-level", "0.7"])
+    assert_common_run(run_dir, epochs=1)
+
+
+def test_learning_brightness_rises(tiny_sd3, tmp_path):
+    run_dir = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path) + FAST + [
+        "--epochs", "10", "--kl-beta", "0", "--anchor-beta", "0", "--learning-rate", "1e-2", "--eval-every", "100",
+        "--save-every", "100"])
+    metrics = read_metrics(run_dir)
+    rewards = [m["reward/mean"] for m in metrics]
+    # the tiny model's images differ little, so compare against the spread of the first epoch's rewards
+    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 2 * metrics[0]["reward/std"], rewards
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--train-prompts", "missing.txt"], "does not exist"),
+    (["--reward", "no_such_reward"], "no_such_reward"),
+    (["--prompts-per-epoch", "3", "--batch-size", "8"], "do not split"),
+    (["--train-batch-size", "3"], "--train-batch-size 3"),
+    (["--num-steps", "2"], "leaves no training grid points"),
+])
+def test_bad_input_is_rejected_before_training(tiny_sd3, tmp_path, flags, message):
+    assert_bad_input(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path) + FAST + ["--epochs", "1"] + flags, message)
+
+
+def test_non_finite_loss_stops_with_message_and_keeps_checkpoint(tiny_sd3, tmp_path):
+    flags = tiny_sd35_flags(tiny_sd3, tmp_path) + FAST + [
+        "--epochs", "3", "--reward", "tests/toy_rewards.py:nan_after_two_batches", "--eval-reward", TOY_REWARD]
+    proc = run_script(SCRIPT, flags, check=False)
+    assert proc.returncode != 0 and "non-finite" in proc.stderr.strip().splitlines()[-1]
+    checkpoints = sorted(tmp_path.glob("*/checkpoints/*"), key=lambda p: p.name)
+    assert [p.name for p in checkpoints] == ["epoch_00001"]
+    assert all(torch.isfinite(t).all() for t in lora_tensors(checkpoints[0]))
