@@ -1,24 +1,14 @@
-"""Reward models of the Flow-GRPO / DanceGRPO / DiffusionNFT / AWM / CRD papers, one contract for all of them.
+"""Reward models of the Flow-GRPO / DanceGRPO / DiffusionNFT / AWM / CRD papers behind one contract:
+    fn = build_reward("ocr=1.0,pickscore=0.5", device="cuda"); scores, info = fn(images, prompts, metadata)
 
-    fn = build_reward("ocr=1.0,pickscore=0.5", device="cuda")
-    scores, info = fn(images, prompts, metadata)
-
-- `images`: float (B, 3, H, W) in [0, 1] (or a list of PIL images); `prompts`: list[str]; `metadata`: list[dict]
-  (the extra fields of a JSONL prompt file, e.g. GenEval's `include`/`exclude`).
-- `scores`: float32 CPU tensor (B,). `info`: dict of per-sample values worth logging; it always holds every
-  component's score under its name, so scripts can log components and normalise them separately.
-- A spec is a comma-separated list of `name[option=value;...]=weight` terms (weight 1 if omitted), e.g.
-  `geneval[url=http://10.0.0.2:18085]=1,ocr=0.5`, or `path/to/file.py:function` for your own reward.
-  The score of a combination is the weighted **sum** of its components (upstream flow_grpo `multi_score`).
-- Groupwise rewards (`pickscore_rank`) need the whole group of images of a prompt. Called directly they return their
-  pointwise base score; `fn.group_transform(components, group_ids)` turns the gathered components of a full epoch into
-  the groupwise scores (the scripts call it after gathering all ranks). `group_transform` is None for pointwise rewards.
-- Model weights load with `from_pretrained(id_or_path)` (options `model=`, `processor=`), so local copies work.
-  Heavy imports are lazy; a missing optional package names its `pip install` command.
-- Network rewards retry with exponential backoff, then fail naming the URL; every request has a timeout.
-
-Serve any reward from another process/machine/env (the way upstream isolates rewards with conflicting deps):
-    python rewards.py --serve hpsv2 --port 18090          # then train with --reward "remote[url=http://host:18090]"
+`images` float (B, 3, H, W) in [0, 1] or a list of PIL; `metadata` the extra fields of a JSONL prompt file. `scores`
+is float32 CPU (B,); `info` holds each component's score under its name plus extras. A spec is comma-separated
+`name[option=value;...]=weight` terms or `path/to/file.py:function`; a combination scores the weighted **sum** of its
+components (upstream flow_grpo `multi_score`). Groupwise rewards (`pickscore_rank`) score pointwise when called and
+expose `fn.group_transform(components, group_ids)` for the gathered epoch (None for pointwise ones). Models load with
+`from_pretrained(id_or_path)`; heavy imports are lazy, a missing package names its `pip install`; network rewards
+retry with backoff, then fail naming the URL. Serve any reward from another process/env:
+`python rewards.py --serve hpsv2 --port 18090`, then train with `--reward "remote[url=http://host:18090]"`.
 """
 
 import base64
@@ -39,17 +29,20 @@ import numpy as np
 import torch
 from PIL import Image
 
-# ---------------------------------------------------------------------------------------------------------------
-# Small helpers: image conversion, optional imports, HTTP with retries
-# ---------------------------------------------------------------------------------------------------------------
 
-
+# ---- helpers: image conversion, optional imports, HTTP with retries ----
 def to_pil(images) -> list[Image.Image]:
     """(B, 3, H, W) float [0, 1] tensor or list of PIL -> list of RGB PIL, quantised as upstream (x*255 rounded)."""
     if isinstance(images, torch.Tensor):
         arr = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
         return [Image.fromarray(a) for a in arr]
     return [img.convert("RGB") for img in images]
+
+
+def encoded(img: Image.Image, fmt: str, **options) -> bytes:
+    buffer = io.BytesIO()
+    img.save(buffer, format=fmt, **options)
+    return buffer.getvalue()
 
 
 def require(module: str, pip: str, reward: str):
@@ -62,11 +55,11 @@ def require(module: str, pip: str, reward: str):
 
 def post(url: str, body: bytes, content_type: str, timeout: float, retries: int, headers: dict | None = None) -> bytes:
     """POST with a timeout per try and exponential backoff (1 s, 2 s, 4 s, ...); never hangs forever."""
-    request_headers = {"Content-Type": content_type, **(headers or {})}
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": content_type, **(headers or {})},
+                                     method="POST")
     last = None
     for attempt in range(retries + 1):
         try:
-            request = urllib.request.Request(url, data=body, headers=request_headers, method="POST")
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 return response.read()
         except urllib.error.HTTPError as e:
@@ -74,35 +67,18 @@ def post(url: str, body: bytes, content_type: str, timeout: float, retries: int,
                 raise RuntimeError(f"reward server {url} rejected the request (HTTP {e.code}): "
                                    f"{e.read()[:500].decode(errors='replace')}") from e
             last = e
-            if attempt < retries:
-                time.sleep(2**attempt)
         except (urllib.error.URLError, OSError) as e:  # refused, unreachable, timeout
             last = e
-            if attempt < retries:
-                time.sleep(2**attempt)
+        if attempt < retries:
+            time.sleep(2**attempt)
     raise RuntimeError(f"reward server {url} failed after {retries + 1} tries ({timeout:g}s timeout each): {last}")
 
 
-def png_base64(img: Image.Image) -> str:
-    buffer = io.BytesIO()
-    img.save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode()
+def floats(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
 
 
-def pil_from_base64(data: str) -> Image.Image:
-    return Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB")
-
-
-def pointwise(fn):
-    fn.group_transform = None
-    return fn
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# OCR (Flow-GRPO's text-rendering reward)
-# ---------------------------------------------------------------------------------------------------------------
-
-
+# ---- OCR (Flow-GRPO's text-rendering reward) ----
 def ocr_target(prompt: str) -> str | None:
     """The text between the first pair of double quotes, or None."""
     parts = prompt.split('"')
@@ -121,10 +97,8 @@ def levenshtein(a: str, b: str) -> int:
 
 
 def ocr_score(recognised: str, target: str) -> float:
-    """1 if the target is a substring of the recognised text, else 1 - min(edit distance, len) / len, both texts
-    lower-cased with spaces removed (upstream flow_grpo/ocr.py::OcrScorer.__call__)."""
-    recognised = recognised.replace(" ", "").lower()
-    target = target.replace(" ", "").lower()
+    """1 if target in recognised, else 1 - min(edit distance, len)/len; lower-cased, no spaces (flow_grpo/ocr.py)."""
+    recognised, target = recognised.replace(" ", "").lower(), target.replace(" ", "").lower()
     if not target:
         return 1.0
     dist = 0 if target in recognised else min(levenshtein(recognised, target), len(target))
@@ -140,23 +114,15 @@ def ocr(workers: int = 8):
         result, _ = engine(np.asarray(img))
         return "".join(text for _, text, conf in (result or []) if float(conf) > 0)
 
-    @pointwise
     def fn(images, prompts, metadata):
         targets = [ocr_target(p) for p in prompts]
         if None in targets:
             raise ValueError(f"ocr reward: prompt {prompts[targets.index(None)]!r} has no quoted target text")
-        texts = list(pool.map(read, to_pil(images)))
-        scores = torch.tensor([ocr_score(t, g) for t, g in zip(texts, targets)], dtype=torch.float32)
-        return scores, {"ocr": scores}
-
+        return floats([ocr_score(t, g) for t, g in zip(pool.map(read, to_pil(images)), targets)]), {}
     return fn
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# CLIP-family rewards (PickScore, CLIPScore, LAION aesthetic) and HPS v2.1 / ImageReward
-# ---------------------------------------------------------------------------------------------------------------
-
-
+# ---- CLIP family (PickScore, CLIPScore, LAION aesthetic), HPS v2.1, ImageReward ----
 def clip_features(model, processor, images, prompts, device):
     """L2-normalised image (B, D) and text (B, D) embeddings of a transformers CLIPModel."""
     inputs = processor(images=to_pil(images), text=prompts, padding=True, truncation=True, max_length=77,
@@ -164,46 +130,36 @@ def clip_features(model, processor, images, prompts, device):
     with torch.no_grad():
         img = model.get_image_features(pixel_values=inputs["pixel_values"])
         txt = model.get_text_features(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
-    img = getattr(img, "pooler_output", img)  # transformers 5 may return a model output
-    txt = getattr(txt, "pooler_output", txt)
+    img, txt = getattr(img, "pooler_output", img), getattr(txt, "pooler_output", txt)  # transformers 5: model outputs
     return torch.nn.functional.normalize(img.float(), dim=-1), torch.nn.functional.normalize(txt.float(), dim=-1)
 
 
 def load_clip(model: str, processor: str, device):
+    """A transformers CLIPModel, its processor, and logits(images, prompts) -> logit_scale * cos (B,) on the CPU."""
     transformers = importlib.import_module("transformers")
-    return (transformers.CLIPModel.from_pretrained(model).to(device).eval(),
-            transformers.CLIPProcessor.from_pretrained(processor))
+    clip = transformers.CLIPModel.from_pretrained(model).to(device).eval()
+    proc = transformers.CLIPProcessor.from_pretrained(processor)
+
+    def logits(images, prompts):
+        img, txt = clip_features(clip, proc, images, prompts, device)
+        return (clip.logit_scale.exp() * (img * txt).sum(-1)).cpu().float()
+    return clip, proc, logits
 
 
 def pickscore(device="cpu", model="yuvalkirstain/PickScore_v1", processor="laion/CLIP-ViT-H-14-laion2B-s32B-b79K"):
-    """PickScore = logit_scale * cos(image, text), divided by 26 as upstream (flow_grpo/pickscore_scorer.py); the
-    paper tables report the raw value (info `pickscore_raw`, ~21-24 on SD3.5-M)."""
-    clip, proc = load_clip(model, processor, device)
+    """logit_scale * cos / 26 as upstream (flow_grpo/pickscore_scorer.py); tables use the raw `pickscore_raw` (~22)."""
+    _, _, logits = load_clip(model, processor, device)
 
-    @pointwise
     def fn(images, prompts, metadata):
-        img, txt = clip_features(clip, proc, images, prompts, device)
-        raw = (clip.logit_scale.exp() * (img * txt).sum(-1)).cpu().float()
-        return raw / 26, {"pickscore": raw / 26, "pickscore_raw": raw}
-
+        raw = logits(images, prompts)
+        return raw / 26, {"pickscore_raw": raw}
     return fn
 
 
 def clipscore(device="cpu", model="openai/clip-vit-large-patch14", processor=None):
     """CLIP ViT-L/14 logit_scale * cos(image, text) / 30 (flow_grpo/clip_scorer.py: logits_per_image diagonal / 30)."""
-    clip, proc = load_clip(model, processor or model, device)
-
-    @pointwise
-    def fn(images, prompts, metadata):
-        img, txt = clip_features(clip, proc, images, prompts, device)
-        score = (clip.logit_scale.exp() * (img * txt).sum(-1)).cpu().float() / 30
-        return score, {"clipscore": score}
-
-    return fn
-
-
-AESTHETIC_URL = ("https://github.com/christophschuhmann/improved-aesthetic-predictor/raw/main/"
-                 "sac+logos+ava1-l14-linearMSE.pth")
+    _, _, logits = load_clip(model, processor or model, device)
+    return lambda images, prompts, metadata: (logits(images, prompts) / 30, {})
 
 
 def aesthetic_head(dim: int) -> torch.nn.Sequential:
@@ -213,48 +169,41 @@ def aesthetic_head(dim: int) -> torch.nn.Sequential:
                                torch.nn.Linear(64, 16), torch.nn.Linear(16, 1))
 
 
-def aesthetic(device="cpu", model="openai/clip-vit-large-patch14", processor=None, head=AESTHETIC_URL):
-    """LAION aesthetic predictor v2: MLP on L2-normalised CLIP ViT-L/14 image features (~5-6 for SD3.5-M images).
-    `head` is a path or URL of `sac+logos+ava1-l14-linearMSE.pth`."""
-    clip, proc = load_clip(model, processor or model, device)
+def aesthetic(device="cpu", model="openai/clip-vit-large-patch14", processor=None,
+              head="https://github.com/christophschuhmann/improved-aesthetic-predictor/raw/main/"
+                   "sac+logos+ava1-l14-linearMSE.pth"):
+    """LAION aesthetic MLP on normalised CLIP ViT-L/14 image features (~5-6); `head`: path/URL of its weights."""
+    clip, proc, _ = load_clip(model, processor or model, device)
     state = (torch.load(head, map_location="cpu") if os.path.exists(head)
              else torch.hub.load_state_dict_from_url(head, map_location="cpu"))
     mlp = aesthetic_head(clip.config.projection_dim)
     mlp.load_state_dict({k.removeprefix("layers."): v for k, v in state.items()})
     mlp = mlp.to(device).eval()
 
-    @pointwise
     def fn(images, prompts, metadata):
         img, _ = clip_features(clip, proc, images, [""] * len(prompts), device)
         with torch.no_grad():
-            score = mlp(img).squeeze(-1).cpu().float()
-        return score, {"aesthetic": score}
-
+            return mlp(img).squeeze(-1).cpu().float(), {}
     return fn
 
 
 def hpsv2(device="cpu", checkpoint="xswu/HPSv2:HPS_v2.1_compressed.pt"):
-    """HPS v2.1 (DanceGRPO's reward): open_clip ViT-H-14 fine-tuned on HPD v2; score = cos(image, text) (~0.3).
-    `checkpoint` is a local .pt path or `hub_repo:filename`."""
+    """HPS v2.1 (DanceGRPO): open_clip ViT-H-14 cos(image, text) (~0.3); `checkpoint`: .pt path or `repo:file`."""
     open_clip = require("open_clip", "open-clip-torch", "hpsv2")
     model, _, preprocess = open_clip.create_model_and_transforms("ViT-H-14", pretrained=None, precision="fp32")
     if not os.path.exists(checkpoint):
-        repo, filename = checkpoint.split(":")
-        checkpoint = importlib.import_module("huggingface_hub").hf_hub_download(repo, filename)
+        checkpoint = importlib.import_module("huggingface_hub").hf_hub_download(*checkpoint.split(":"))
     state = torch.load(checkpoint, map_location="cpu")
     model.load_state_dict(state.get("state_dict", state))
     model = model.to(device).eval()
     tokenizer = open_clip.get_tokenizer("ViT-H-14")
 
-    @pointwise
     def fn(images, prompts, metadata):
         pixels = torch.stack([preprocess(img) for img in to_pil(images)]).to(device)
         with torch.no_grad():
             img = torch.nn.functional.normalize(model.encode_image(pixels).float(), dim=-1)
             txt = torch.nn.functional.normalize(model.encode_text(tokenizer(prompts).to(device)).float(), dim=-1)
-        score = (img * txt).sum(-1).cpu()
-        return score, {"hpsv2": score}
-
+        return (img * txt).sum(-1).cpu(), {}
     return fn
 
 
@@ -262,86 +211,42 @@ def imagereward(device="cpu", model="ImageReward-v1.0"):
     """ImageReward v1.0 raw score (BLIP-based; ~-2..2), one `score(prompt, image)` call per image as upstream."""
     rm = require("ImageReward", "image-reward", "imagereward").load(model, device=str(device))
 
-    @pointwise
     def fn(images, prompts, metadata):
         with torch.no_grad():
-            score = torch.tensor([float(rm.score(p, img)) for p, img in zip(prompts, to_pil(images))],
-                                 dtype=torch.float32)
-        return score, {"imagereward": score}
-
+            return floats([float(rm.score(p, img)) for p, img in zip(prompts, to_pil(images))]), {}
     return fn
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# JPEG (in)compressibility (DDPO; flow_grpo/rewards.py::jpeg_compressibility)
-# ---------------------------------------------------------------------------------------------------------------
-
-
+# ---- JPEG (in)compressibility (DDPO; flow_grpo/rewards.py::jpeg_compressibility) ----
 def jpeg_kilobytes(images) -> torch.Tensor:
     """Size in kB (1000 bytes) of each image saved as JPEG at quality 95."""
-    sizes = []
-    for img in to_pil(images):
-        buffer = io.BytesIO()
-        img.save(buffer, format="JPEG", quality=95)
-        sizes.append(buffer.tell() / 1000)
-    return torch.tensor(sizes, dtype=torch.float32)
+    return floats([len(encoded(img, "JPEG", quality=95)) / 1000 for img in to_pil(images)])
 
 
-def jpeg_compressibility():
-    """-(JPEG kB at quality 95) / 500: smaller files score higher."""
-
-    @pointwise
-    def fn(images, prompts, metadata):
-        score = -jpeg_kilobytes(images) / 500
-        return score, {"jpeg_compressibility": score}
-
-    return fn
+def jpeg(scale: float):
+    """scale * JPEG kB: -1/500 for `jpeg_compressibility` (small files win), 1 for `jpeg_incompressibility`."""
+    return lambda images, prompts, metadata: (scale * jpeg_kilobytes(images), {})
 
 
-def jpeg_incompressibility():
-    """JPEG kB at quality 95: larger (more detailed) files score higher."""
-
-    @pointwise
-    def fn(images, prompts, metadata):
-        score = jpeg_kilobytes(images)
-        return score, {"jpeg_incompressibility": score}
-
-    return fn
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Network rewards: GenEval server, VLM judges (OpenAI-compatible), generic remote reward server
-# ---------------------------------------------------------------------------------------------------------------
-
-
+# ---- network rewards: GenEval server, VLM judges (OpenAI-compatible), generic remote reward server ----
 def geneval(url="http://127.0.0.1:18085", timeout=120.0, retries=5, batch_size=64, key="scores"):
-    """Client of the GenEval reward server (yifan123/reward-server protocol, flow_grpo/rewards.py::geneval_score):
-    a pickled {images: [JPEG bytes], meta_datas, only_strict} is POSTed; the reply's `scores` (partial credit per
-    include-clause) is the training reward, `strict_rewards` (exact GenEval correctness) is logged.
-    The prompt file must be the GenEval JSONL (metadata with `include`/`exclude`/`tag`). `key=rewards` scores with
-    the official-style GenEval correctness instead (the paper metric; use it as --eval-reward)."""
+    """GenEval reward-server client (yifan123/reward-server; flow_grpo/rewards.py::geneval_score): POSTs pickled
+    {images: [JPEG], meta_datas, only_strict} for GenEval JSONL prompts; scores with the reply's partial-credit
+    `scores` (`key=rewards`: official-style correctness, the paper metric), logs `strict_rewards`."""
     timeout, retries, batch_size = float(timeout), int(retries), int(batch_size)
     if key not in ("scores", "rewards", "strict_rewards"):
         raise ValueError(f"geneval key must be scores, rewards or strict_rewards, not {key!r}")
 
-    @pointwise
     def fn(images, prompts, metadata):
-        pil = to_pil(images)
-        scores, strict = [], []
+        pil, scores, strict = to_pil(images), [], []
         for start in range(0, len(pil), batch_size):
-            jpegs = []
-            for img in pil[start : start + batch_size]:
-                buffer = io.BytesIO()
-                img.save(buffer, format="JPEG")
-                jpegs.append(buffer.getvalue())
-            body = pickle.dumps({"images": jpegs, "meta_datas": list(metadata[start : start + batch_size]),
+            body = pickle.dumps({"images": [encoded(img, "JPEG") for img in pil[start : start + batch_size]],
+                                 "meta_datas": list(metadata[start : start + batch_size]),
                                  "only_strict": key != "rewards"})
             reply = pickle.loads(post(url, body, "application/octet-stream", timeout, retries))
             scores += reply[key]
             strict += reply.get("strict_rewards", reply["scores"])
-        score = torch.tensor(scores, dtype=torch.float32)
-        return score, {"geneval": score, "geneval_strict": torch.tensor(strict, dtype=torch.float32)}
-
+        return floats(scores), {"geneval_strict": floats(strict)}
     return fn
 
 
@@ -351,127 +256,87 @@ JUDGE_INSTRUCTION = ("You are given a text prompt and an image generated from it
 YESNO_QUESTION = "Does this image match the description: \"{prompt}\"? Answer Yes or No."
 
 
-def chat(url, model, api_key, img, text, timeout, retries, **extra) -> dict:
-    """One OpenAI-compatible /chat/completions call with an image (base64 PNG) and a text message."""
-    body = {"model": model, "temperature": 0.0, **extra, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_base64(img)}"}},
-        {"type": "text", "text": text}]}]}
+def chat_reward(url, model, api_key, text, timeout, retries, workers, score_reply, resize=0, **extra):
+    """Score each (image, prompt) by one OpenAI-compatible /chat/completions call; score_reply(json) -> float."""
+    pool = ThreadPoolExecutor(max_workers=int(workers))
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    endpoint = url.rstrip("/") + "/chat/completions"
-    return json.loads(post(endpoint, json.dumps(body).encode(), "application/json", timeout, retries, headers))
+
+    def score(img, prompt):
+        png = base64.b64encode(encoded(img.resize((int(resize),) * 2) if int(resize) else img, "PNG")).decode()
+        body = {"model": model, "temperature": 0.0, **extra, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}},
+            {"type": "text", "text": text.format(prompt=prompt)}]}]}
+        reply = post(url.rstrip("/") + "/chat/completions", json.dumps(body).encode(), "application/json",
+                     float(timeout), int(retries), headers)
+        return score_reply(json.loads(reply))
+
+    return lambda images, prompts, metadata: (floats(list(pool.map(score, to_pil(images), prompts))), {})
 
 
 def vlm_judge(url="http://127.0.0.1:17140/v1", model="UnifiedReward-7b-v1.5", api_key="flowgrpo",
               instruction=JUDGE_INSTRUCTION, timeout=60.0, retries=3, workers=16, resize=512):
-    """VLM judge on any OpenAI-compatible server (vLLM, SGLang), UnifiedReward style (flow_grpo/rewards.py::
-    unifiedreward_score_sglang): score = x / 5 from `Final Score: x` (x in 1..5), 0 when the reply has none."""
-    pool = ThreadPoolExecutor(max_workers=int(workers))
+    """UnifiedReward-style judge (flow_grpo unifiedreward_score_sglang): `Final Score: x` -> x/5, no score -> 0."""
     pattern = re.compile(r"Final Score:\s*([1-5](?:\.\d+)?)")
 
-    def judge(img, prompt):
-        img = img.resize((int(resize), int(resize))) if resize else img
-        reply = chat(url, model, api_key, img, instruction.format(prompt=prompt), float(timeout), int(retries),
-                     max_tokens=512)
+    def score_reply(reply):
         match = pattern.search(reply["choices"][0]["message"]["content"] or "")
         return float(match.group(1)) / 5 if match else 0.0
-
-    @pointwise
-    def fn(images, prompts, metadata):
-        score = torch.tensor(list(pool.map(judge, to_pil(images), prompts)), dtype=torch.float32)
-        return score, {"vlm_judge": score}
-
-    return fn
+    return chat_reward(url, model, api_key, instruction, timeout, retries, workers, score_reply, resize,
+                       max_tokens=512)
 
 
 def vlm_yesno(url="http://127.0.0.1:17140/v1", model="Qwen/Qwen2.5-VL-7B-Instruct", api_key="",
               question=YESNO_QUESTION, timeout=60.0, retries=3, workers=16, top_logprobs=20):
-    """P(Yes) of a VLM asked a yes/no question about the image: the summed probability of the first answer token's
-    top logprobs that read `yes` (any case/whitespace). Needs a server that returns logprobs (vLLM, SGLang)."""
-    pool = ThreadPoolExecutor(max_workers=int(workers))
+    """P(Yes): summed probability of first-token top logprobs reading `yes` (server must return logprobs)."""
 
-    def p_yes(img, prompt):
-        reply = chat(url, model, api_key, img, question.format(prompt=prompt), float(timeout), int(retries),
-                     max_tokens=1, logprobs=True, top_logprobs=int(top_logprobs))
+    def score_reply(reply):
         top = reply["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
         return sum(math.exp(t["logprob"]) for t in top if t["token"].strip().lower() == "yes")
-
-    @pointwise
-    def fn(images, prompts, metadata):
-        score = torch.tensor(list(pool.map(p_yes, to_pil(images), prompts)), dtype=torch.float32)
-        return score, {"vlm_yesno": score}
-
-    return fn
+    return chat_reward(url, model, api_key, question, timeout, retries, workers, score_reply, max_tokens=1,
+                       logprobs=True, top_logprobs=int(top_logprobs))
 
 
 def remote(url="http://127.0.0.1:18090", timeout=300.0, retries=5):
     """Any reward served by `python rewards.py --serve NAME` (JSON: base64 PNGs, prompts, metadata -> scores, info)."""
 
-    @pointwise
     def fn(images, prompts, metadata):
-        body = json.dumps({"images": [png_base64(img) for img in to_pil(images)], "prompts": list(prompts),
-                           "metadata": list(metadata)}).encode()
+        pngs = [base64.b64encode(encoded(img, "PNG")).decode() for img in to_pil(images)]
+        body = json.dumps({"images": pngs, "prompts": list(prompts), "metadata": list(metadata)}).encode()
         reply = json.loads(post(url, body, "application/json", float(timeout), int(retries)))
-        return (torch.tensor(reply["scores"], dtype=torch.float32),
-                {k: torch.tensor(v, dtype=torch.float32) for k, v in reply["info"].items()})
-
+        return floats(reply["scores"]), {k: floats(v) for k, v in reply["info"].items()}
     return fn
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Groupwise: rank of PickScore within the prompt's group
-# ---------------------------------------------------------------------------------------------------------------
-
-
+# ---- groupwise: rank of PickScore within the prompt's group ----
 def group_rank(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """Rank of each score within its group scaled to [0, 1] (worst 0, best 1; ties share their mean rank; a group
-    of one scores 0.5)."""
-    out = torch.empty_like(scores, dtype=torch.float32)
+    """Rank within its group scaled to [0, 1] (worst 0, best 1, ties share their mean rank; a lone image 0.5)."""
+    out = torch.empty(len(scores))
     for g in group_ids.unique():
-        members = (group_ids == g).nonzero().squeeze(1)
-        s = scores[members]
-        below = (s[None, :] < s[:, None]).sum(1).float()
-        ties = (s[None, :] == s[:, None]).sum(1).float() - 1
-        out[members] = (below + ties / 2) / (len(s) - 1) if len(s) > 1 else 0.5
+        s = scores[group_ids == g].float()
+        rank = (s[None, :] < s[:, None]).sum(1) + ((s[None, :] == s[:, None]).sum(1) - 1) / 2  # (number below, ties)
+        out[group_ids == g] = rank / (len(s) - 1) if len(s) > 1 else 0.5
     return out
 
 
 def pickscore_rank(device="cpu", **options):
-    """Groupwise (Flow-Factory's reward guide): the rank of an image's PickScore among the images of its prompt.
-    Called directly it returns PickScore/26; `group_transform` ranks the gathered scores within each group."""
-    base = pickscore(device, **options)
-
-    def fn(images, prompts, metadata):
-        score, info = base(images, prompts, metadata)
-        return score, {"pickscore_rank": score, "pickscore_raw": info["pickscore_raw"]}
-
+    """Groupwise (Flow-Factory reward guide): PickScore/26 when called; `group_transform` ranks it in its group."""
+    fn = pickscore(device, **options)  # a fresh closure: the attribute below is this reward's alone
     fn.group_transform = lambda components, group_ids: group_rank(components["pickscore_rank"], group_ids)
     return fn
 
 
 REWARDS = {"ocr": ocr, "pickscore": pickscore, "clipscore": clipscore, "aesthetic": aesthetic, "hpsv2": hpsv2,
-           "imagereward": imagereward, "jpeg_compressibility": jpeg_compressibility,
-           "jpeg_incompressibility": jpeg_incompressibility, "geneval": geneval, "vlm_judge": vlm_judge,
+           "imagereward": imagereward, "jpeg_compressibility": lambda: jpeg(-1 / 500),
+           "jpeg_incompressibility": lambda: jpeg(1.0), "geneval": geneval, "vlm_judge": vlm_judge,
            "vlm_yesno": vlm_yesno, "remote": remote, "pickscore_rank": pickscore_rank}
 USES_DEVICE = {"pickscore", "clipscore", "aesthetic", "hpsv2", "imagereward", "pickscore_rank"}
 
-# ---------------------------------------------------------------------------------------------------------------
-# Specs: parsing, building, combining
-# ---------------------------------------------------------------------------------------------------------------
 
-
+# ---- specs: parsing, building, combining ----
 def parse_spec(spec: str) -> list[tuple[str, dict, float]]:
     """`a[k=v;k2=v2]=0.5,b` -> [(a, {k: v, k2: v2}, 0.5), (b, {}, 1.0)]; `file.py:fn=w` keeps the path as name."""
-    terms, depth, current = [], 0, ""
-    for ch in spec:
-        depth += {"[": 1, "]": -1}.get(ch, 0)
-        if ch == "," and depth == 0:
-            terms.append(current)
-            current = ""
-        else:
-            current += ch
-    terms.append(current)
     parsed = []
-    for term in (t.strip() for t in terms):
+    for term in (t.strip() for t in re.split(r",(?![^\[]*\])", spec)):  # commas outside [...]
         match = re.fullmatch(r"([^\[\]=]+?)(?:\[(.*)\])?(?:=([-+0-9.eE]+))?", term)
         if not match:
             raise ValueError(f"cannot parse reward term {term!r}; expected name[option=value;...]=weight")
@@ -498,11 +363,9 @@ def parse_weights(spec: str) -> dict[str, float]:
 def check_prompts(spec: str, prompts: list[str]):
     """Cheap checks before any model loads: the spec parses, and OCR prompts carry a quoted target."""
     for name, _, _ in parse_spec(spec):
-        if name == "ocr":
-            bad = [p for p in prompts if ocr_target(p) is None]
-            if bad:
-                raise ValueError(f"the ocr reward needs the target text in double quotes in every prompt, e.g. "
-                                 f"'A sign that says \"hello\"'; {len(bad)} prompt(s) have none, first: {bad[0]!r}")
+        if name == "ocr" and (bad := [p for p in prompts if ocr_target(p) is None]):
+            raise ValueError(f"the ocr reward needs the target text in double quotes in every prompt, e.g. "
+                             f"'A sign that says \"hello\"'; {len(bad)} prompt(s) have none, first: {bad[0]!r}")
 
 
 def load_custom(name: str):
@@ -511,21 +374,18 @@ def load_custom(name: str):
     spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    fn = getattr(module, attr)
-    fn.group_transform = getattr(fn, "group_transform", None)
-    return fn
+    return getattr(module, attr)
 
 
 def build_reward(spec: str, device="cpu"):
     """Build the (weighted-sum) reward of a spec; see the module docstring."""
-    terms = parse_spec(spec)
     fns, weights = {}, {}
-    for name, options, weight in terms:
+    for name, options, weight in parse_spec(spec):
         key = component_name(name)
-        if key in REWARDS:
-            fns[key] = REWARDS[key](device=device, **options) if key in USES_DEVICE else REWARDS[key](**options)
-        else:
+        if key not in REWARDS:
             fns[key] = load_custom(name)
+        else:
+            fns[key] = REWARDS[key](**options, **({"device": device} if key in USES_DEVICE else {}))
         weights[key] = weight
 
     def combined(images, prompts, metadata):
@@ -538,24 +398,19 @@ def build_reward(spec: str, device="cpu"):
             total += weights[key] * score
         return total, info
 
+    groupwise = {k: f.group_transform for k, f in fns.items() if getattr(f, "group_transform", None)}
+
     def group_transform(components: dict, group_ids: torch.Tensor):
-        """(total, components) after groupwise components are replaced by their group transform."""
-        components = dict(components)
-        for key, fn in fns.items():
-            if fn.group_transform is not None:
-                components[key] = fn.group_transform(components, group_ids)
+        """(total, components) with the groupwise components replaced by their group transform."""
+        components = {**components, **{k: t(components, group_ids) for k, t in groupwise.items()}}
         return sum(weights[k] * components[k] for k in fns), components
 
-    combined.group_transform = group_transform if any(f.group_transform for f in fns.values()) else None
+    combined.group_transform = group_transform if groupwise else None
     combined.weights = weights
     return combined
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Reward server: `python rewards.py --serve SPEC --port N` answers the `remote` reward's JSON protocol
-# ---------------------------------------------------------------------------------------------------------------
-
-
+# ---- reward server: `python rewards.py --serve SPEC --port N` answers the `remote` reward's JSON protocol ----
 def make_server(spec: str, host: str, port: int, device="cpu"):
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -565,8 +420,8 @@ def make_server(spec: str, host: str, port: int, device="cpu"):
         def do_POST(self):
             try:
                 request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                scores, info = fn([pil_from_base64(s) for s in request["images"]], request["prompts"],
-                                  request["metadata"])
+                images = [Image.open(io.BytesIO(base64.b64decode(b))).convert("RGB") for b in request["images"]]
+                scores, info = fn(images, request["prompts"], request["metadata"])
                 body, status = json.dumps({"scores": scores.tolist(),
                                            "info": {k: v.tolist() for k, v in info.items()}}).encode(), 200
             except Exception as e:  # the client sees the reason, not a dropped connection
@@ -584,14 +439,12 @@ def make_server(spec: str, host: str, port: int, device="cpu"):
 
 
 if __name__ == "__main__":
-    import argparse
+    import tyro
 
-    parser = argparse.ArgumentParser(description="Serve a rewards.py reward over HTTP for `--reward remote[url=...]`")
-    parser.add_argument("--serve", required=True, help="reward spec, e.g. hpsv2 or 'ocr=1,pickscore=0.5'")
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=18090)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    cli = parser.parse_args()
-    server = make_server(cli.serve, cli.host, cli.port, cli.device)
-    print(f"serving reward {cli.serve!r} on http://{cli.host}:{cli.port}", flush=True)
-    server.serve_forever()
+    def serve(serve: str, host: str = "0.0.0.0", port: int = 18090,
+              device: str = "cuda" if torch.cuda.is_available() else "cpu"):
+        """Serve the reward spec `--serve` (e.g. hpsv2, or 'ocr=1,pickscore=0.5') for `--reward remote[url=...]`."""
+        print(f"serving reward {serve!r} on http://{host}:{port}", flush=True)
+        make_server(serve, host, port, device).serve_forever()
+
+    tyro.cli(serve)
