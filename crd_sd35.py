@@ -496,9 +496,8 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(lora_params, lr=args.learning_rate, weight_decay=args.weight_decay)
     scaler = torch.amp.GradScaler(device.type, enabled=args.mixed_precision == "fp16")
     ema_params = [p.detach().clone() for p in lora_params]
-    # old/sampling LoRA states: fp32 snapshots copied into the one peft adapter (`swapped`; far cheaper than a forward)
-    old_params = [p.detach().clone() for p in lora_params]  # the implicit reward's reference
-    sampling_params = [p.detach().clone() for p in lora_params]  # generates the rollouts
+    old_params = [p.detach().clone() for p in lora_params]  # implicit-reward reference, `swapped` into the LoRA
+    sampling_params = [p.detach().clone() for p in lora_params]  # fp32 snapshot that generates the rollouts
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     latent_shape = (transformer.config.in_channels, args.resolution // pipe.vae_scale_factor,
                     args.resolution // pipe.vae_scale_factor)
@@ -515,11 +514,10 @@ if __name__ == "__main__":
     start_epoch, global_step = 0, 0
     if args.resume:
         state = torch.load(os.path.join(args.resume, "state.pt"), map_location=device)
-        for p, saved in zip(lora_params, state["lora"]):
-            p.data.copy_(saved)
-        for snapshot, key in ((ema_params, "ema"), (old_params, "old"), (sampling_params, "sampling")):
-            for s, saved in zip(snapshot, state["ema"] if key == "ema" else state["extra"][key]):
-                s.copy_(saved)
+        for params, saved in ((lora_params, state["lora"]), (ema_params, state["ema"]),
+                              (old_params, state["extra"]["old"]), (sampling_params, state["extra"]["sampling"])):
+            for p, value in zip(params, saved):
+                p.data.copy_(value)
         optimizer.load_state_dict(state["optimizer"])
         start_epoch, global_step = state["next_epoch"], state["global_step"]
     if args.track and rank == 0:
@@ -614,23 +612,27 @@ if __name__ == "__main__":
                 xt, target = (1 - t) * x0 + t * noise, noise - x0
                 with torch.no_grad(), autocast, swapped(lora_params, old_params):
                     v_old = predict_velocity(transformer, xt, t, embeds, pooled, *neg, args.guidance_scale)
-                with torch.no_grad(), autocast, adapters_disabled(transformer):  # CFG teacher (also logged at kl 0)
-                    v_teacher = predict_velocity(transformer, xt, t, embeds, pooled, *neg, args.kl_cfg)
+                if args.kl_beta > 0:  # the CFG teacher: 2 extra forwards, skipped when there is no KL term
+                    with torch.no_grad(), autocast, adapters_disabled(transformer):
+                        v_teacher = predict_velocity(transformer, xt, t, embeds, pooled, *neg, args.kl_cfg)
                 with autocast:
                     v = predict_velocity(transformer, xt, t, embeds, pooled, *neg, args.guidance_scale)
                 r_local = crd_implicit_reward(v, v_old, target, args.adaptive_logp)  # (B,)
                 r_step = all_gather_cat(r_local.detach(), world).index_copy(0, mine, r_local)  # (W*B,), own with grad
                 policy_loss = crd_loss(r_step, step_a[b], step_groups[b], args.crd_beta, args.weight_temp,
                                        args.adv_clip)
-                kl_loss, kl = crd_kl(v, v_teacher, step_a[b, mine], args.kl_beta, args.reward_adaptive_kl)
+                kl_loss = torch.zeros((), device=device)
+                if args.kl_beta > 0:
+                    kl_loss, kl = crd_kl(v, v_teacher, step_a[b, mine], args.kl_beta, args.reward_adaptive_kl)
+                    stats["kl"].append(kl.mean().item())
+                    stats["old_kl"].append(((v_old - v_teacher) ** 2).mean().item())  # old vs the teacher
                 # only this rank's B of the W*B loss terms carry gradient: x world makes the rank-averaged
                 # gradient that of the gathered mean (the port's per-rank mean over local samples)
                 scaler.scale((world * policy_loss + kl_loss) / accum).backward()
                 if micro == 0:  # r_theta is exactly 0 while old == current (the first epoch, or old decay <= 0)
                     first_r_theta = r_local.abs().max().item()
-                for k, value in (("policy_loss", policy_loss), ("kl", kl.mean()), ("kl_loss", kl_loss),
-                                 ("r_theta", r_local.mean()), ("old_deviate", ((v.detach() - v_old) ** 2).mean()),
-                                 ("old_kl", ((v_old - v_teacher) ** 2).mean())):  # old_kl: old vs the teacher
+                for k, value in (("policy_loss", policy_loss), ("kl_loss", kl_loss), ("r_theta", r_local.mean()),
+                                 ("old_deviate", ((v.detach() - v_old) ** 2).mean())):
                     stats[k].append(value.item())
                 micro += 1
                 if micro % accum:
@@ -665,7 +667,7 @@ if __name__ == "__main__":
 
         # ---- LOGGING, CHECKPOINT ----
         epoch_seconds = time.time() - epoch_start
-        metrics.update({f"losses/{k}": float(np.mean(v)) for k, v in stats.items()})
+        metrics.update({f"losses/{k}": float(np.mean(v)) for k, v in stats.items() if v})  # no kl at --kl-beta 0
         metrics.update({
             "losses/first_r_theta_abs": first_r_theta, "losses/grad_norm": float(grad_norm),
             "charts/old_decay": old_decay, "charts/sampling_decay": sampling_decay,
@@ -681,7 +683,7 @@ if __name__ == "__main__":
         log(metrics, epoch)
         if rank == 0:
             print(f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± {metrics['reward/std']:.4f} | policy "
-                  f"{metrics['losses/policy_loss']:.3e} kl {metrics['losses/kl']:.3e} | r_theta "
+                  f"{metrics['losses/policy_loss']:.3e} kl {metrics.get('losses/kl', 0.0):.3e} | r_theta "
                   f"{metrics['losses/r_theta']:.1e} | decay old {old_decay:.3f} sampling {sampling_decay:.3f} "
                   f"| {metrics['perf/images_per_sec']:.2f} img/s "
                   f"| {epoch_seconds:.0f}s" + (f" | eval {metrics['eval/reward_mean']:.4f}" if "eval/reward_mean" in metrics else ""))

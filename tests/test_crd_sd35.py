@@ -219,6 +219,8 @@ def test_learning_brightness_rises(tiny_sd3, tmp_path):
     rewards = [m["reward/mean"] for m in metrics]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 2 * metrics[0]["reward/std"], rewards
     assert metrics[-1]["eval/final_reward_mean"] > metrics[0]["eval/reward_mean"]  # same eval noise, brighter images
+    # --kl-beta 0 skips the CFG teacher: no KL is measured, none is added
+    assert all("losses/kl" not in m and "losses/old_kl" not in m and m["losses/kl_loss"] == 0 for m in metrics)
 
 
 def test_nan_reward_stops_with_intact_checkpoint(tiny_sd3, tmp_path):
