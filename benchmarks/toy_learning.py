@@ -3,9 +3,9 @@
 Every script is launched exactly as a user would (subprocess, CPU, fp32) on tests/tiny.py's pipelines with
 `--reward tests/toy_rewards.py:brightness`, at an equal budget of sampled images, for a few seeds; reward is read from
 each run's metrics.jsonl. Writes benchmarks/toy_learning.png (reward vs images and vs wall-clock) and prints a
-markdown table for benchmarks/RESULTS.md. Needs matplotlib (`pip install matplotlib`). About 10 minutes on 2 cores:
+markdown table for benchmarks/RESULTS.md. Needs matplotlib (`pip install matplotlib`). About 7 minutes on 2 cores:
 
-    python benchmarks/toy_learning.py --seeds 0 1 2 --images 256
+    python benchmarks/toy_learning.py                # 5 seeds x 512 images per script
 """
 
 import json
@@ -26,23 +26,28 @@ PROMPTS = "tests/assets/ocr_prompts.txt"
 COMMON = ["--train-prompts", PROMPTS, "--test-prompts", PROMPTS, "--reward", "tests/toy_rewards.py:brightness",
           "--resolution", "32", "--num-steps", "4", "--eval-num-steps", "3", "--group-size", "4",
           "--prompts-per-epoch", "2", "--batch-size", "4", "--eval-batch-size", "4", "--eval-every", "100000",
-          "--save-every", "100000", "--max-sequence-length", "16", "--mixed-precision", "no", "--learning-rate", "1e-2"]
-# Per-script settings for the toy: each algorithm's own knobs relaxed the same way its learning test does
-# (no KL to the base model, wider trust regions), everything else at the script's defaults.
+          "--save-every", "100000", "--max-sequence-length", "16", "--mixed-precision", "no"]
+# Per-script settings for the toy: each algorithm's own knobs relaxed the same way its learning test does (learning
+# rate, no KL or anchor to the base model, wider trust regions, micro-batches that fit 4-step rollouts), eval EMA off
+# so that the eval gain compares the trained weights themselves; everything else at the script's defaults.
 ALGORITHMS = {
-    "grpo_sd35.py": ["--kl-beta", "0", "--clip-range", "0.2"],
-    "nft_sd35.py": ["--kl-beta", "0"],
-    "awm_sd35.py": ["--kl-beta", "0"],
-    "crd_sd35.py": ["--kl-beta", "0"],
-    "dance_grpo_flux.py": ["--clip-range", "0.2", "--noise-level", "1.0", "--timestep-fraction", "1.0"],
+    "grpo_sd35.py": ["--learning-rate", "1e-2", "--kl-beta", "0", "--clip-range", "0.2", "--ema-decay", "0"],
+    "nft_sd35.py": ["--learning-rate", "1e-2", "--kl-beta", "0", "--ema-decay", "0"],
+    "awm_sd35.py": ["--learning-rate", "1e-2", "--kl-beta", "0", "--anchor-beta", "0", "--train-batch-size", "2",
+                    "--train-timesteps", "2", "--ema-decay", "0"],
+    "crd_sd35.py": ["--learning-rate", "1e-2", "--kl-beta", "0", "--num-train-timesteps", "4", "--ema-decay", "0"],
+    "dance_grpo_flux.py": ["--learning-rate", "5e-3", "--clip-range", "0.2", "--noise-level", "1.0",
+                           "--timestep-fraction", "1.0"],
 }
+IMAGES_PER_EPOCH = 8  # --prompts-per-epoch 2 x --group-size 4
+SMOOTH = 4  # epochs in the trailing mean used for "final reward" and "images to reach GRPO's final reward"
 
 
 @dataclass
 class Args:
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
     """seeds per algorithm"""
-    images: int = 256
+    images: int = 512
     """sampled-image budget per run (identical for every algorithm)"""
     out: str = os.path.join(REPO, "benchmarks", "toy_learning.png")
     """where the figure goes"""
@@ -50,7 +55,7 @@ class Args:
 
 def run(script: str, model: str, seed: int, images: int, workdir: str) -> list[dict]:
     out = tempfile.mkdtemp(dir=workdir)
-    epochs = images // 8  # 2 prompts x 4 images per epoch
+    epochs = images // IMAGES_PER_EPOCH
     cmd = [sys.executable, script, "--model", model, "--output-dir", out, "--seed", str(seed), "--epochs", str(epochs)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="disabled", OMP_NUM_THREADS="2")
     subprocess.run(cmd + COMMON + ALGORITHMS[script], cwd=REPO, env=env, check=True, capture_output=True)
@@ -77,40 +82,57 @@ def main(args: Args):
             curves.setdefault(script, []).append(run(script, model, seed, args.images, workdir))
             print(f"{script} seed {seed}: {time.time() - start:.0f}s", flush=True)
 
-    fig, (ax_img, ax_time) = plt.subplots(1, 2, figsize=(11, 4))
-    rows = []
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    std = lambda xs: (sum((x - mean(xs)) ** 2 for x in xs) / len(xs)) ** 0.5  # noqa: E731
+    smooth = lambda xs: [mean(xs[max(0, i + 1 - SMOOTH): i + 1]) for i in range(len(xs))]  # noqa: E731
+    summary = {}  # script -> seed-mean curves and per-seed numbers
     for script, runs in curves.items():
-        name = script[: -len(".py")]
-        for i, metrics in enumerate(runs):
-            images = [8 * (m["epoch"] + 1) for m in metrics]
-            seconds, total = [], 0.0
-            for m in metrics:
-                total += m["perf/epoch_seconds"]
-                seconds.append(total)
-            rewards = [m["reward/mean"] for m in metrics]
-            color = f"C{list(curves).index(script)}"
-            ax_img.plot(images, rewards, color=color, alpha=0.7, label=name if i == 0 else None)
-            ax_time.plot(seconds, rewards, color=color, alpha=0.7, label=name if i == 0 else None)
-        first = [r[0]["reward/mean"] for r in runs]
-        last = [sum(m["reward/mean"] for m in r[-4:]) / len(r[-4:]) for r in runs]
-        gains = [b - a for a, b in zip(first, last)]
-        secs = [sum(m["perf/epoch_seconds"] for m in r) for r in runs]
-        eval_gains = [r[-1]["eval/final_reward_mean"] - r[0]["eval/reward_mean"] for r in runs]  # fixed eval noise
-        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-        std = lambda xs: (sum((x - mean(xs)) ** 2 for x in xs) / len(xs)) ** 0.5  # noqa: E731
-        rows.append(f"| {name} | {len(runs)} | {mean(first):.4f} | {mean(last):.4f} ± {std(last):.4f} | "
-                    f"{mean(gains):+.4f} ± {std(gains):.4f} | {mean(eval_gains):+.4f} ± {std(eval_gains):.4f} | "
-                    f"{mean(secs):.0f} |")
-    for ax, xlabel in ((ax_img, "sampled images"), (ax_time, "training wall-clock (s)")):
+        rewards = [[m["reward/mean"] for m in r] for r in runs]  # seeds x epochs
+        seconds = [[sum(m["perf/epoch_seconds"] for m in r[: i + 1]) for i in range(len(r))] for r in runs]
+        summary[script] = dict(
+            images=[IMAGES_PER_EPOCH * (m["epoch"] + 1) for m in runs[0]],
+            mean=[mean(col) for col in zip(*rewards)], low=[min(col) for col in zip(*rewards)],
+            high=[max(col) for col in zip(*rewards)], seconds=[mean(col) for col in zip(*seconds)],
+            first=[r[0] for r in rewards], final=[mean(r[-SMOOTH:]) for r in rewards],
+            spread=[r[0]["reward/std"] for r in runs],  # within-epoch std of the first epoch's rewards
+            eval_gain=[r[-1]["eval/final_reward_mean"] - r[0]["eval/reward_mean"] for r in runs],  # fixed eval noise
+            total_seconds=[s[-1] for s in seconds])
+
+    fig, (ax_img, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, (script, c) in enumerate(summary.items()):
+        label = f"{script[: -len('.py')]} ({len(curves[script])} seeds)"
+        for ax, x in ((ax_img, c["images"]), (ax_time, c["seconds"])):
+            ax.plot(x, smooth(c["mean"]), color=f"C{i}", label=label)
+            ax.fill_between(x, smooth(c["low"]), smooth(c["high"]), color=f"C{i}", alpha=0.15)
+    for ax, xlabel in ((ax_img, "sampled images"), (ax_time, "training wall-clock, seed mean (s)")):
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("mean brightness reward of the epoch's rollouts")
+        ax.set_ylabel("mean brightness of the epoch's rollouts")
         ax.legend()
+    fig.suptitle(f"Toy learning: seed mean, {SMOOTH}-epoch trailing mean; bands = min-max over seeds")
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)
-    print(f"\n{args.images} sampled images per run; reward = mean image brightness; final = mean of the last 4 epochs\n")
-    print("| script | seeds | first-epoch reward | final reward | gain | eval gain (fixed noise, ODE) | seconds |")
-    print("|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+
+    # sample efficiency: images until an algorithm's smoothed seed-mean curve first reaches the reward GRPO's curve has
+    # at half the budget, and at the full budget
+    grpo = smooth(summary["grpo_sd35.py"]["mean"]) if "grpo_sd35.py" in summary else None
+    targets = {} if grpo is None else {"half": grpo[len(grpo) // 2 - 1], "full": grpo[-1]}
+
+    def images_to(c: dict, level: float) -> str:
+        return next((str(n) for n, r in zip(c["images"], smooth(c["mean"])) if r >= level), "not reached")
+
+    print(f"\n{args.images} sampled images per run; reward = mean image brightness in [0, 1]; final = mean of the "
+          f"last {SMOOTH} epochs; gain/spread = (final - first) / first epoch's within-epoch reward std\n")
+    print(f"| script | seeds | first-epoch reward | final reward | gain | gain / spread | eval gain (fixed noise, ODE) "
+          f"| images to GRPO's reward at {args.images // 2} images | images to GRPO's reward at {args.images} images "
+          "| training seconds |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for script, c in summary.items():
+        gains = [b - a for a, b in zip(c["first"], c["final"])]
+        ratios = [g / s for g, s in zip(gains, c["spread"])]
+        print(f"| {script[: -len('.py')]} | {len(c['first'])} | {mean(c['first']):.4f} | {mean(c['final']):.4f} ± "
+              f"{std(c['final']):.4f} | {mean(gains):+.4f} ± {std(gains):.4f} | {mean(ratios):+.1f} ± {std(ratios):.1f} | "
+              f"{mean(c['eval_gain']):+.4f} ± {std(c['eval_gain']):.4f} | "
+              + " | ".join(images_to(c, level) for level in targets.values()) + f" | {mean(c['total_seconds']):.1f} |")
 
 
 if __name__ == "__main__":
