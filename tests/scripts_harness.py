@@ -60,6 +60,23 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_reward_rose(metrics: list[dict], window: int):
+    """The mean reward of the last `window` epochs beats the first `window` by twice the first epoch's spread (the
+    tiny model's images differ little, so its rewards do too)."""
+    rewards = [m["reward/mean"] for m in metrics]
+    assert sum(rewards[-window:]) / window > sum(rewards[:window]) / window + 2 * metrics[0]["reward/std"], rewards
+
+
+def assert_eval_only_reproduces(run_dir: Path, trained_run: Path, epoch: int = 2):
+    """An --eval-only run of trained_run's epoch checkpoint logs one finite eval and its sheet, saves nothing, and, eval
+    being deterministic (fixed seed per prompt), reproduces the training run's final eval of the same weights."""
+    (metrics,) = read_metrics(run_dir)
+    assert metrics["epoch"] == epoch and math.isfinite(metrics["eval/reward_mean"])
+    assert (run_dir / f"eval_{epoch:05d}.png").is_file() and not (run_dir / "checkpoints").exists()
+    final = read_metrics(trained_run)[-1]["eval/final_reward_mean"]
+    assert abs(metrics["eval/reward_mean"] - final) <= 1e-6, (metrics["eval/reward_mean"], final)
+
+
 def lora_tensors(checkpoint: Path) -> list[torch.Tensor]:
     return torch.load(checkpoint / "state.pt", map_location="cpu")["lora"]
 

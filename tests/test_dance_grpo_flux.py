@@ -8,8 +8,8 @@ import torch
 
 from dance_grpo_flux import (dance_sigmas, group_advantages, grpo_loss, image_ids, predict_velocity, rollout,
                              select_train_steps, unpack)
-from scripts_harness import (PROMPTS, TOY_REWARD, assert_bad_input, assert_common_run, lora_tensors, read_metrics,
-                             run_script)
+from scripts_harness import (PROMPTS, TOY_REWARD, assert_bad_input, assert_common_run, assert_eval_only_reproduces,
+                             lora_tensors, read_metrics, run_script)
 from sde import sde_step
 
 SCRIPT = "dance_grpo_flux.py"
@@ -200,8 +200,4 @@ def test_saved_lora_loads_into_the_flux_pipeline(tiny_pipe, one_process_run):
 def test_eval_only_scores_a_checkpoint(tiny_flux, tmp_path, one_process_run):
     ckpt = one_process_run / "checkpoints" / "epoch_00002"
     run_dir = run_script(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path) + ["--eval-only", "--resume", str(ckpt)])
-    (metrics,) = read_metrics(run_dir)
-    assert metrics["epoch"] == 2 and math.isfinite(metrics["eval/reward_mean"])
-    assert (run_dir / "eval_00002.png").is_file() and not (run_dir / "checkpoints").exists()
-    final = read_metrics(one_process_run)[-1]["eval/final_reward_mean"]
-    assert metrics["eval/reward_mean"] == pytest.approx(final, abs=1e-6)
+    assert_eval_only_reproduces(run_dir, one_process_run)

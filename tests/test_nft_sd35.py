@@ -1,12 +1,11 @@
 """nft_sd35.py: hand-computed NFT loss and decay schedule, then end-to-end runs on the tiny offline SD3 pipeline."""
 
-import math
-
 import pytest
 import torch
 
 from nft_sd35 import nft_loss, old_decay
-from scripts_harness import assert_bad_input, assert_common_run, lora_tensors, read_metrics, run_script, tiny_sd35_flags
+from scripts_harness import (assert_bad_input, assert_common_run, assert_eval_only_reproduces, assert_reward_rose,
+                             lora_tensors, read_metrics, run_script, tiny_sd35_flags)
 
 SCRIPT = "nft_sd35.py"
 
@@ -109,8 +108,7 @@ def test_learning_brightness_rises(tiny_sd3, tmp_path):
     run_dir = run_script(SCRIPT, flags(tiny_sd3, tmp_path, "--epochs", "16", "--kl-beta", "0", "--learning-rate", "1e-2",
                                        "--ema-decay", "0", "--eval-every", "100", "--save-every", "100"))
     metrics = read_metrics(run_dir)
-    rewards = [m["reward/mean"] for m in metrics]
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 2 * metrics[0]["reward/std"], rewards
+    assert_reward_rose(metrics, window=3)
     assert metrics[-1]["eval/final_reward_mean"] > metrics[0]["eval/reward_mean"]  # same eval noise, brighter images
 
 
@@ -127,6 +125,4 @@ def test_bad_input_is_rejected_before_loading(tiny_sd3, tmp_path, extra, message
 def test_eval_only_reproduces_final_eval(tiny_sd3, tmp_path, one_process_run):
     run_dir = run_script(SCRIPT, flags(tiny_sd3, tmp_path, "--eval-only", "--resume",
                                        str(one_process_run / "checkpoints" / "epoch_00002")))
-    (metrics,) = read_metrics(run_dir)
-    final = read_metrics(one_process_run)[-1]["eval/final_reward_mean"]
-    assert math.isfinite(metrics["eval/reward_mean"]) and metrics["eval/reward_mean"] == pytest.approx(final, abs=1e-6)
+    assert_eval_only_reproduces(run_dir, one_process_run)
