@@ -1,0 +1,64 @@
+"""Toy world: the rendered data, the verifiable counting reward, and the committed pretrained pipelines."""
+
+import pytest
+import torch
+
+from toy_rewards import counting, counting_partial, detect, parse_prompt
+from toy_world import ASSETS, render_batch, split
+
+TRAIN, TEST = split()
+
+
+def test_split_holds_out_combinations_but_covers_every_word():
+    assert len(TRAIN) == 18 and len(TEST) == 6 and not set(TRAIN) & set(TEST)
+    for i in range(3):  # every count, color and shape of a test prompt is seen in training
+        assert {parse_prompt(p)[i] for p in TEST} <= {parse_prompt(p)[i] for p in TRAIN}
+    assert sorted(parse_prompt(p)[0] for p in TEST) == [1, 1, 2, 2, 3, 3]
+
+
+def test_prompt_files_match_the_split():
+    with open(f"{ASSETS}/toy_train.txt") as f:
+        assert f.read().split("\n")[:-1] == TRAIN
+    with open(f"{ASSETS}/toy_test.txt") as f:
+        lines = f.read().split("\n")[:-1]
+    assert sorted(set(lines)) == sorted(TEST) and len(lines) == 8 * len(TEST)
+
+
+def test_parse_prompt():
+    assert parse_prompt("two red circles") == (2, "red", "circle")
+    assert parse_prompt("a blue square") == (1, "blue", "square")
+    with pytest.raises(ValueError, match="toy-world prompt"):
+        parse_prompt("a sign that says hi")
+
+
+def test_rendering_is_deterministic_by_seed():
+    a, b, c = (render_batch(["three green circles"], [s]) for s in (5, 5, 6))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_ground_truth_scores_one_on_every_prompt():
+    prompts = [p for p in TRAIN + TEST for _ in range(10)]
+    images = render_batch(prompts, range(len(prompts)))
+    assert counting(images, prompts, None)[0].min() == 1.0
+    assert counting_partial(images, prompts, None)[0].min() == 1.0
+
+
+def test_blank_and_noise_score_zero():
+    prompts = TEST
+    for images in (torch.zeros(6, 3, 32, 32), torch.ones(6, 3, 32, 32), torch.full((6, 3, 32, 32), 0.5),
+                   torch.rand(6, 3, 32, 32, generator=torch.Generator().manual_seed(0))):
+        assert counting(images, prompts, None)[0].max() == 0.0
+        assert counting_partial(images, prompts, None)[0].max() == 0.0
+
+
+def test_wrong_count_color_or_shape_score_less():
+    image = render_batch(["two red circles"], [3])
+    detected = detect(image[0])
+    assert detected == ([("red", "circle"), ("red", "circle")], 0)
+    for wrong in ("three red circles", "a red circle", "two blue circles", "two red squares"):
+        assert counting(image, [wrong], None)[0].item() == 0.0
+        assert counting_partial(image, [wrong], None)[0].item() == pytest.approx(2 / 3)
+    # an extra object of another color breaks the color check only
+    mixed = torch.maximum(render_batch(["a red circle"], [0]), render_batch(["a blue circle"], [1]))
+    if len(detect(mixed[0])[0]) == 2:  # the two renders did not overlap
+        assert counting_partial(mixed, ["two red circles"], None)[0].item() == pytest.approx(2 / 3)
