@@ -13,6 +13,10 @@ from safetensors.torch import load_file
 REPO = Path(__file__).resolve().parent.parent
 TOY_REWARD = "tests/toy_rewards.py:brightness"
 PROMPTS = "tests/assets/ocr_prompts.txt"
+# The toy world (tests/toy_world.py): pretrained tiny pipelines, held-out counting prompts, a verifiable reward.
+TOY_SD3, TOY_FLUX = "tests/assets/toy-sd3", "tests/assets/toy-flux"
+TOY_TRAIN, TOY_TEST = "tests/assets/toy_train.txt", "tests/assets/toy_test.txt"
+COUNTING = "tests/toy_rewards.py:counting"
 
 
 def tiny_sd35_flags(model: str, out, precision: str = "no") -> list[str]:
@@ -65,6 +69,22 @@ def assert_reward_rose(metrics: list[dict], window: int):
     tiny model's images differ little, so its rewards do too)."""
     rewards = [m["reward/mean"] for m in metrics]
     assert sum(rewards[-window:]) / window > sum(rewards[:window]) / window + 2 * metrics[0]["reward/std"], rewards
+
+
+def toy_flags(model: str, out, steps: int = 6) -> list[str]:
+    """Flags shared by all five scripts for a toy-world run: train on the 18 training prompts with the exact counting
+    reward, eval (ODE, 10 steps) on the 96 held-out lines; 32 px, the 24 T5 tokens the toy models were trained with."""
+    return ["--model", model, "--output-dir", str(out), "--train-prompts", TOY_TRAIN, "--test-prompts", TOY_TEST,
+            "--reward", COUNTING, "--resolution", "32", "--max-sequence-length", "24", "--mixed-precision", "no",
+            "--num-steps", str(steps), "--eval-num-steps", "10", "--eval-batch-size", "48", "--eval-every", "1000",
+            "--save-every", "1000"]
+
+
+def assert_accuracy_rose(metrics: list[dict], min_gain: float):
+    """Held-out exact accuracy after training beats the base model's by min_gain. Eval is a deterministic ODE from
+    noise fixed per test line, so a run that changes nothing gains exactly 0; min_gain is set from measured seed noise."""
+    gain = metrics[-1]["eval/final_reward_mean"] - metrics[0]["eval/reward_mean"]
+    assert gain >= min_gain, (metrics[0]["eval/reward_mean"], metrics[-1]["eval/final_reward_mean"])
 
 
 def assert_eval_only_reproduces(run_dir: Path, trained_run: Path, epoch: int = 2):

@@ -21,18 +21,18 @@ def test_prompt_files_match_the_split():
         assert f.read().split("\n")[:-1] == TRAIN
     with open(f"{ASSETS}/toy_test.txt") as f:
         lines = f.read().split("\n")[:-1]
-    assert sorted(set(lines)) == sorted(TEST) and len(lines) == 8 * len(TEST)
+    assert sorted(set(lines)) == sorted(TEST) and len(lines) == 16 * len(TEST)
 
 
 def test_parse_prompt():
-    assert parse_prompt("two red circles") == (2, "red", "circle")
+    assert parse_prompt("two red squares") == (2, "red", "square")
     assert parse_prompt("a blue square") == (1, "blue", "square")
     with pytest.raises(ValueError, match="toy-world prompt"):
         parse_prompt("a sign that says hi")
 
 
 def test_rendering_is_deterministic_by_seed():
-    a, b, c = (render_batch(["three green circles"], [s]) for s in (5, 5, 6))
+    a, b, c = (render_batch(["three green triangles"], [s]) for s in (5, 5, 6))
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
@@ -52,13 +52,13 @@ def test_blank_and_noise_score_zero():
 
 
 def test_wrong_count_color_or_shape_score_less():
-    image = render_batch(["two red circles"], [3])
+    image = render_batch(["two red squares"], [3])
     detected = detect(image[0])
-    assert detected == ([("red", "circle"), ("red", "circle")], 0)
-    for wrong in ("three red circles", "a red circle", "two blue circles", "two red squares"):
+    assert detected == ([("red", "square"), ("red", "square")], 0)
+    for wrong in ("three red squares", "a red square", "two blue squares", "two red triangles"):
         assert counting(image, [wrong], None)[0].item() == 0.0
         assert counting_partial(image, [wrong], None)[0].item() == pytest.approx(2 / 3)
     # an extra object of another color breaks the color check only
-    mixed = torch.maximum(render_batch(["a red circle"], [0]), render_batch(["a blue circle"], [1]))
+    mixed = torch.maximum(render_batch(["a red square"], [0]), render_batch(["a blue square"], [1]))
     if len(detect(mixed[0])[0]) == 2:  # the two renders did not overlap
-        assert counting_partial(mixed, ["two red circles"], None)[0].item() == pytest.approx(2 / 3)
+        assert counting_partial(mixed, ["two red squares"], None)[0].item() == pytest.approx(2 / 3)

@@ -3,10 +3,11 @@
 Used as `--reward tests/toy_rewards.py:counting` (or `:counting_partial`, `:brightness`, ...): plain functions with the
 rewards.py contract fn(images (B, 3, H, W) in [0, 1], prompts, metadata) -> (scores (B,) float32 CPU, info dict).
 
-`counting` is a verifiable GenEval-style reward for the toy world of tests/toy_world.py ("two red circles" on a black
+`counting` is a verifiable GenEval-style reward for the toy world of tests/toy_world.py ("two red squares" on a black
 background): a deterministic detector (color masks, connected components, shape from the fill ratio of the bounding
-box) finds the objects; the score is 1 when exactly the prompted number of objects of the prompted color and shape is
-present and nothing else, else 0. `counting_partial` gives partial credit (count, color, shape: 1/3 each).
+box: a square fills it, a triangle about half -- robust to a tiny VAE's blur, unlike circle vs square) finds the
+objects; the score is 1 when exactly the prompted number of objects of the prompted color and shape is present and
+nothing else, else 0. `counting_partial` gives partial credit (count, color, shape: 1/3 each).
 """
 
 import re
@@ -15,16 +16,16 @@ import numpy as np
 import torch
 
 COLORS = {"red": 0.0, "yellow": 55.0, "green": 120.0, "blue": 230.0}  # hue (degrees) of each toy color
-SHAPES = ("circle", "square")
+SHAPES = ("square", "triangle")
 NUMBERS = {"a": 1, "one": 1, "two": 2, "three": 3, "four": 4}
 PROMPT_RE = re.compile(rf"^(a|one|two|three|four) ({'|'.join(COLORS)}) ({'|'.join(SHAPES)})s?$")
 
 
 def parse_prompt(prompt: str) -> tuple[int, str, str]:
-    """'two red circles' -> (2, 'red', 'circle'); anything else raises ValueError."""
+    """'two red squares' -> (2, 'red', 'square'); anything else raises ValueError."""
     m = PROMPT_RE.match(prompt.strip().lower())
     if m is None:
-        raise ValueError(f"not a toy-world prompt (like 'two red circles'): {prompt!r}")
+        raise ValueError(f"not a toy-world prompt (like 'two red squares'): {prompt!r}")
     return NUMBERS[m.group(1)], m.group(2), m.group(3)
 
 
@@ -50,7 +51,7 @@ def _components(mask: np.ndarray) -> list[np.ndarray]:
 
 def detect(image: torch.Tensor) -> tuple[list[tuple[str, str]], int]:
     """Objects in one (3, H, W) image in [0, 1]: a list of (color, shape) -- shape 'blob' for a component that is
-    neither a circle nor a square, color 'other' for an off-palette hue -- and the number of stray colored pixels
+    neither a square nor a triangle, color 'other' for an off-palette hue -- and the number of stray colored pixels
     (components too small to be an object)."""
     rgb = image.detach().float().clamp(0, 1).cpu().numpy()
     mx, mn = rgb.max(0), rgb.min(0)
@@ -71,7 +72,7 @@ def detect(image: torch.Tensor) -> tuple[list[tuple[str, str]], int]:
             fill = len(pix) / (hgt * wid)
             shape = "blob"
             if max(hgt, wid) <= 1.4 * min(hgt, wid):
-                shape = "square" if fill >= 0.88 else "circle" if fill >= 0.6 else "blob"
+                shape = "square" if fill >= 0.78 else "triangle" if fill >= 0.35 else "blob"  # exact: 1.0, ~0.55
             objects.append((names[k] if k < len(names) else "other", shape))
     return objects, stray
 

@@ -1,8 +1,8 @@
 """Toy world: pretrained tiny SD3- and FLUX-shaped text-to-image models that make countable mistakes.
 
 Images are rendered on the fly (PIL, deterministic by seed): 32x32, black background, 1-3 objects of one color (red,
-yellow, green, blue) and one shape (circle, square), captioned like GenEval's counting/color prompts ("two red
-circles"). 6 of the 24 (count, color, shape) combinations are held out as test prompts. tests/toy_rewards.py:counting
+yellow, green, blue) and one shape (square, triangle), captioned like GenEval's counting/color prompts ("two red
+squares"). 6 of the 24 (count, color, shape) combinations are held out as test prompts. tests/toy_rewards.py:counting
 scores an image 1 when the detector finds exactly what the prompt asks for.
 
     python tests/toy_world.py OUT_DIR     # trains OUT_DIR/toy-sd3 and OUT_DIR/toy-flux from scratch (~15 min, 2 cores)
@@ -54,7 +54,7 @@ def split() -> tuple[list[str], list[str]]:
 
 
 def render(prompt: str, seed: int, size: int = RESOLUTION) -> np.ndarray:
-    """(size, size, 3) uint8 image of the prompt: non-overlapping objects 28-38% of the side, 2 px apart."""
+    """(size, size, 3) uint8 image of the prompt: non-overlapping objects 28-38% of the side, 3 px apart."""
     count, color, shape = parse_prompt(prompt)
     rng = np.random.default_rng(seed)
     img = Image.new("RGB", (size, size))
@@ -62,12 +62,15 @@ def render(prompt: str, seed: int, size: int = RESOLUTION) -> np.ndarray:
     while len(boxes) < count:
         s = int(rng.integers(round(0.28 * size), round(0.38 * size) + 1))
         x, y = (int(v) for v in rng.integers(1, size - s, size=2))
-        if all(x + s + 2 <= bx or bx + bs + 2 <= x or y + s + 2 <= by or by + bs + 2 <= y for bx, by, bs in boxes):
+        if all(x + s + 3 <= bx or bx + bs + 3 <= x or y + s + 3 <= by or by + bs + 3 <= y for bx, by, bs in boxes):
             boxes.append((x, y, s))
         elif rng.random() < 0.05:  # crowded: start over
             boxes = []
     for x, y, s in boxes:
-        (draw.ellipse if shape == "circle" else draw.rectangle)([x, y, x + s - 1, y + s - 1], fill=RGB[color])
+        if shape == "square":
+            draw.rectangle([x, y, x + s - 1, y + s - 1], fill=RGB[color])
+        else:  # pointing up
+            draw.polygon([(x, y + s - 1), (x + s - 1, y + s - 1), (x + (s - 1) / 2, y)], fill=RGB[color])
     return np.asarray(img)
 
 
@@ -76,7 +79,7 @@ def render_batch(prompts: list[str], seeds) -> torch.Tensor:
     return torch.stack([torch.from_numpy(render(p, int(s)).copy()).permute(2, 0, 1) for p, s in zip(prompts, seeds)]) / 255
 
 
-def write_prompt_files(out_dir: str = ASSETS, repeats: int = 8):
+def write_prompt_files(out_dir: str = ASSETS, repeats: int = 16):
     """toy_train.txt (the 18 training prompts) and toy_test.txt (each of the 6 held-out prompts `repeats` times: eval
     seeds noise by line, so repeats are independent samples)."""
     train, test = split()
@@ -193,7 +196,7 @@ def tokenizers(pad_token="<|endoftext|>"):
     return tok
 
 
-def build(out_dir: str, vae_steps: int = 600, transformer_steps: int = 1000, batch: int = 32, lr: float = 2e-3,
+def build(out_dir: str, vae_steps: int = 900, transformer_steps: int = 1000, batch: int = 32, lr: float = 2e-3,
           log=print):
     """Train the VAE, then SD3 and FLUX transformers; save OUT_DIR/toy-sd3 and OUT_DIR/toy-flux. Returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
