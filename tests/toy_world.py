@@ -9,9 +9,9 @@ scores an image 1 when the detector finds exactly what the prompt asks for.
 
 The committed copies live in tests/assets/toy-sd3 and tests/assets/toy-flux (prompt files next to them), so tests,
 benchmarks and the demo never train. Both pipelines reuse tests/tiny.py's random text encoders and tokenizers (CLIP
-tokenizers cut at 32 tokens: prompts are short), share one VAE trained as an autoencoder (4 latent channels, 4x down),
+tokenizers cut at 24 tokens: prompts are short), share one VAE trained as an autoencoder (4 latent channels, 4x down),
 and each has a ~0.5M-parameter transformer trained with rectified flow (x_s = (1-s) x0 + s eps, target eps - x0, s
-drawn on the shift-3 schedule the scripts sample with, 10% empty prompts so CFG works). Pass `--max-sequence-length 32`
+drawn on the shift-3 schedule the scripts sample with, 10% empty prompts so CFG works). Pass `--max-sequence-length 24`
 (the length the transformers were trained with) and `--resolution 32` to the scripts.
 """
 
@@ -192,7 +192,7 @@ def flux_forward_fn(img_ids, text_ids):
 
 def tokenizers(pad_token="<|endoftext|>"):
     tok = tiny.clip_tokenizer(pad_token)
-    tok.model_max_length = MAX_SEQUENCE_LENGTH  # the pipelines pad CLIP to this; prompts are < 25 tokens
+    tok.model_max_length = MAX_SEQUENCE_LENGTH  # the pipelines pad CLIP to this; prompts are <= 22 tokens
     return tok
 
 
@@ -210,7 +210,7 @@ def build(out_dir: str, vae_steps: int = 900, transformer_steps: int = 1000, bat
     log(f"vae done in {time.time() - t0:.0f}s: scaling {vae.config.scaling_factor} shift {vae.config.shift_factor}; "
         f"reconstructions of held-out prompts score {counting(recon, test, None)[0].mean().item():.3f}")
 
-    # ---- SD3: the encoders of tests/tiny.py (same seeds), CLIP cut at 32 tokens ----
+    # ---- SD3: the encoders of tests/tiny.py (same seeds), CLIP cut at 24 tokens ----
     tok, tok2, tok3 = tokenizers(), tokenizers(pad_token="!"), tiny.t5_tokenizer()
     torch.manual_seed(0)
     te = CLIPTextModelWithProjection(tiny.clip_config(tiny.CLIP_L_DIM, len(tok)))
