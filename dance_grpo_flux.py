@@ -3,7 +3,7 @@
 Paper: DanceGRPO (arXiv:2505.07818). Upstream: XueZeyue/DanceGRPO, fastvideo/train_grpo_flux.py (+ _lora.py).
 Defaults = the 8-GPU LoRA recipe (scripts/finetune/finetune_flux_grpo_8gpus_lora.sh), rescaled to any GPU count:
     torchrun --nproc_per_node 8 dance_grpo_flux.py --train-prompts hpd_prompts.txt --test-prompts hpd_test.txt
-PickScore instead of HPS v2.1: add `--reward pickscore`.
+PickScore instead of HPS v2.1: add `--reward pickscore`. The paper's full fine-tuning (FSDP2, 16 GPUs): README.
 One-minute CPU demo on a tiny random model:
     python tests/tiny.py /tmp/tiny && python dance_grpo_flux.py --model /tmp/tiny/tiny-flux \
         --train-prompts tests/assets/ocr_prompts.txt --test-prompts tests/assets/ocr_prompts.txt \
@@ -26,11 +26,15 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import tyro
-from diffusers import FluxPipeline
+from diffusers import FluxPipeline, FluxTransformer2DModel
+from huggingface_hub import save_torch_state_dict
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 from PIL import Image
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+from torch.distributed.fsdp import fully_shard
 from tqdm import tqdm
 
 import rewards
@@ -63,6 +67,8 @@ class Args:
     """dtype of the frozen text encoders and transformer base, with autocast (LoRA and VAE stay fp32); no = all fp32"""
     gradient_checkpointing: bool = True
     """recompute transformer activations in the backward pass (FLUX is 12B; upstream always does)"""
+    full_finetune: bool = False
+    """train every transformer weight, as the paper (fp32 master weights sharded per block with FSDP2, bf16 autocast)"""
     lora_rank: int = 128
     """LoRA rank on to_q/to_k/to_v/to_out.0 of every attention (upstream LoRA script)"""
     lora_alpha: int = 256
@@ -337,6 +343,58 @@ def save_checkpoint(path: str, transformer, lora_params, ema_params, optimizer, 
     shutil.rmtree(path + ".old", ignore_errors=True)
 
 
+def shard_for_full_finetune(transformer) -> list:
+    """--full-finetune: FSDP2 full-shard of each double- and single-stream block, then the root, over all ranks (one
+    process: a 1-rank group, same code path); fp32 params, grads averaged by FSDP's reduce-scatter every backward.
+    Upstream wraps the same blocks with FSDP1, fp32 params (fastvideo/utils/fsdp_util.py::get_dit_fsdp_kwargs)."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+    for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
+        fully_shard(block)
+    fully_shard(transformer)
+    return list(transformer.parameters())
+
+
+def full_state(transformer, optimizer, ema_params) -> dict:
+    """The sharded (DTensor) weights, AdamW state and EMA, keyed by name: what torch.distributed.checkpoint saves."""
+    model, optim = get_state_dict(transformer, optimizer)
+    return {"model": model, "optimizer": optim,
+            "ema": {name: e for (name, _), e in zip(transformer.named_parameters(), ema_params)}}
+
+
+def save_full_checkpoint(path: str, transformer, optimizer, ema_params, next_epoch, global_step, args, rank: int):
+    """--full-finetune, on every rank, atomic as save_checkpoint: `dcp/` (each rank writes its shards), state.pt
+    (counters, kind "full_finetune"); after the last epoch also diffusers-format `transformer/` (+ `ema_transformer/`
+    with --ema-decay > 0) for FluxTransformer2DModel.from_pretrained."""
+    tmp = path + ".tmp"
+    dcp.save(full_state(transformer, optimizer, ema_params), checkpoint_id=os.path.join(tmp, "dcp"))
+    if next_epoch == args.epochs:
+        for name, ema in [("transformer", []), ("ema_transformer", ema_params)][: 1 + (args.ema_decay > 0)]:
+            with swapped(list(transformer.parameters()) if ema else [], ema):
+                full = get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if rank == 0:  # sharded safetensors + config, as FluxTransformer2DModel.save_pretrained writes them
+                os.makedirs(os.path.join(tmp, name))
+                save_torch_state_dict(full, os.path.join(tmp, name), max_shard_size="10GB",
+                                      filename_pattern="diffusion_pytorch_model{suffix}.safetensors")
+                with open(os.path.join(tmp, name, "config.json"), "w") as f:
+                    json.dump({**transformer.config, "_class_name": "FluxTransformer2DModel"}, f, indent=2)
+    if rank == 0:
+        torch.save({"kind": "full_finetune", "next_epoch": next_epoch, "global_step": global_step,
+                    "args": asdict(args)}, os.path.join(tmp, "state.pt"))
+        if os.path.exists(path):
+            os.rename(path, path + ".old")
+        os.rename(tmp, path)
+        shutil.rmtree(path + ".old", ignore_errors=True)
+
+
+def params_for_full_finetune(model: str) -> int:
+    """Parameter count of the model's transformer, from its config alone (built on the meta device)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in FluxTransformer2DModel.from_config(
+            FluxTransformer2DModel.load_config(model, subfolder="transformer")).parameters())
+
+
 @contextmanager
 def swapped(params, ema):
     """Temporarily put the EMA values into the live LoRA parameters (for eval and the saved `ema_lora`)."""
@@ -369,6 +427,13 @@ if __name__ == "__main__":
     check_model_path(args.model)
     if args.resume and not os.path.isfile(os.path.join(args.resume, "state.pt")):
         fail(f"--resume {args.resume!r} is not a checkpoint directory (no state.pt)")
+    if args.full_finetune and (args.lora_rank, args.lora_alpha) != (Args.lora_rank, Args.lora_alpha):
+        fail("--lora-rank and --lora-alpha are LoRA-only flags: --full-finetune trains every transformer weight")
+    if args.full_finetune and args.mixed_precision == "fp16":
+        fail("--full-finetune keeps fp32 weights under bf16 autocast (as upstream): use --mixed-precision bf16 or no")
+    if args.resume and os.path.isdir(os.path.join(args.resume, "dcp")) != args.full_finetune:
+        fail(f"--resume {args.resume!r} is a {'LoRA' if args.full_finetune else 'full fine-tuning'} checkpoint: "
+             f"{'drop' if args.full_finetune else 'add'} --full-finetune")
     try:
         rewards.check_prompts(args.reward, train_prompts)
         rewards.check_prompts(args.eval_reward or args.reward, test_prompts)
@@ -383,6 +448,16 @@ if __name__ == "__main__":
     rank, world, device = setup_distributed()
     if device.type == "cuda":  # cuDNN attention's backward crashes or returns NaN on FLUX (torch 2.11, H100): use flash
         torch.backends.cuda.enable_cudnn_sdp(False)
+    if args.full_finetune and len(test_prompts) % world:
+        fail(f"--full-finetune: {len(test_prompts)} test prompts do not split evenly into {world} GPUs (every FSDP "
+             "forward runs on all ranks)")
+    if args.full_finetune and world == 1:  # fp32 weights + grads + AdamW's two moments = 16 bytes per parameter
+        need = 16 * params_for_full_finetune(args.model)
+        have = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+                else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        if need > have:
+            fail(f"--full-finetune of {need / 16e9:.1f}B parameters needs {need / 1e9:.0f} GB for fp32 weights, grads "
+                 f"and AdamW states alone, this {device.type} has {have / 1e9:.0f} GB: shard it with torchrun (README)")
     images_per_epoch = args.prompts_per_epoch * args.group_size
     if images_per_epoch % (world * args.batch_size):
         fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split into {world} GPUs x "
@@ -412,13 +487,18 @@ if __name__ == "__main__":
     if args.resolution % (2 * pipe.vae_scale_factor):
         fail(f"--resolution {args.resolution} is not a multiple of {2 * pipe.vae_scale_factor} (VAE x 2x2 packing)")
     torch.manual_seed(args.seed)
-    transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian",
-                                       target_modules=LORA_TARGETS))
-    lora_params = [p for p in transformer.parameters() if p.requires_grad]
+    if args.full_finetune:
+        transformer.requires_grad_(True)
+    else:
+        transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian",
+                                           target_modules=LORA_TARGETS))
+    lora_params = [p for p in transformer.parameters() if p.requires_grad]  # the trained ones (all: --full-finetune)
     for p in lora_params:
         p.data = p.data.float()
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
+    if args.full_finetune:
+        lora_params = shard_for_full_finetune(transformer)
     optimizer = torch.optim.AdamW(lora_params, lr=args.learning_rate, weight_decay=args.weight_decay)
     scaler = torch.amp.GradScaler(device.type, enabled=args.mixed_precision == "fp16")
     ema_params = [p.detach().clone() for p in lora_params]
@@ -432,7 +512,11 @@ if __name__ == "__main__":
     eval_reward_fn = reward_fn if args.eval_reward is None else rewards.build_reward(args.eval_reward, device=device)
     reward_weights = reward_fn.weights  # {component: weight}
     start_epoch, global_step = 0, 0
-    if args.resume:
+    if args.resume and args.full_finetune:  # each rank reads its shards (any GPU count), in place
+        dcp.load(full_state(transformer, optimizer, ema_params), checkpoint_id=os.path.join(args.resume, "dcp"))
+        state = torch.load(os.path.join(args.resume, "state.pt"))
+        start_epoch, global_step = state["next_epoch"], state["global_step"]
+    elif args.resume:
         state = torch.load(os.path.join(args.resume, "state.pt"), map_location=device)
         for p, saved in zip(lora_params, state["lora"]):
             p.data.copy_(saved)
@@ -552,15 +636,16 @@ if __name__ == "__main__":
                 micro += 1
                 if micro % accum:
                     continue
-                # one optimizer step: average LoRA grads over ranks in one flat all-reduce, clip, step, EMA
-                flat = torch.cat([p.grad.flatten() for p in lora_params])
-                if world > 1:
+                # one optimizer step: average LoRA grads over ranks in one flat all-reduce (FSDP2 has averaged
+                # full-FT grads already), clip, step, EMA
+                if world > 1 and not args.full_finetune:
+                    flat = torch.cat([p.grad.flatten() for p in lora_params])
                     dist.all_reduce(flat)
                     flat /= world
-                offset = 0
-                for p in lora_params:
-                    p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-                    offset += p.numel()
+                    offset = 0
+                    for p in lora_params:
+                        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                        offset += p.numel()
                 scaler.unscale_(optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, args.max_grad_norm)
                 if not torch.isfinite(grad_norm) and not scaler.is_enabled():
@@ -596,7 +681,10 @@ if __name__ == "__main__":
                   f"| clipfrac {metrics['losses/clipfrac']:.3f} | {metrics['perf/images_per_sec']:.2f} img/s "
                   f"| {epoch_seconds:.0f}s" + (f" | eval {metrics['eval/reward_mean']:.4f}" if "eval/reward_mean" in metrics else ""))
         if (epoch + 1) % args.save_every == 0 or epoch + 1 == args.epochs:
-            if rank == 0:
+            if args.full_finetune:
+                save_full_checkpoint(os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}"), transformer,
+                                     optimizer, ema_params, epoch + 1, global_step, args, rank)
+            elif rank == 0:
                 save_checkpoint(os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}"), transformer,
                                 lora_params, ema_params, optimizer, epoch + 1, global_step, args, extra={})
             if world > 1:
