@@ -236,8 +236,7 @@ def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
 
 def encode(pipe, prompts: list[str], device, max_sequence_length: int):
     """T5 hidden states (B, L, 4096), CLIP-L pooled (B, 768) and text ids (L, 3), as FluxPipeline does."""
-    embeds, pooled, text_ids = pipe.encode_prompt(prompts, None, device=device, max_sequence_length=max_sequence_length)
-    return embeds, pooled, text_ids
+    return pipe.encode_prompt(prompts, None, device=device, max_sequence_length=max_sequence_length)
 
 
 def image_ids(height: int, width: int, device) -> torch.Tensor:
@@ -343,17 +342,15 @@ def save_checkpoint(path: str, transformer, lora_params, ema_params, optimizer, 
     shutil.rmtree(path + ".old", ignore_errors=True)
 
 
-def shard_for_full_finetune(transformer) -> list:
-    """--full-finetune: FSDP2 full-shard of each double- and single-stream block, then the root, over all ranks (one
-    process: a 1-rank group, same code path); fp32 params, grads averaged by FSDP's reduce-scatter every backward.
-    Upstream wraps the same blocks with FSDP1, fp32 params (fastvideo/utils/fsdp_util.py::get_dit_fsdp_kwargs)."""
+def shard_for_full_finetune(transformer):
+    """All weights trainable in fp32, FSDP2-sharded per FLUX block, then the root, over all ranks (one process: a
+    1-rank group); reduce-scatter averages grads. Upstream: FSDP1 on fp32, fastvideo/utils/fsdp_util.py."""
+    transformer.float().requires_grad_(True)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
+        dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)  # default backends: gloo, nccl
     for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
         fully_shard(block)
     fully_shard(transformer)
-    return list(transformer.parameters())
 
 
 def full_state(transformer, optimizer, ema_params) -> dict:
@@ -364,15 +361,15 @@ def full_state(transformer, optimizer, ema_params) -> dict:
 
 
 def save_full_checkpoint(path: str, transformer, optimizer, ema_params, next_epoch, global_step, args, rank: int):
-    """--full-finetune, on every rank, atomic as save_checkpoint: `dcp/` (each rank writes its shards), state.pt
-    (counters, kind "full_finetune"); after the last epoch also diffusers-format `transformer/` (+ `ema_transformer/`
-    with --ema-decay > 0) for FluxTransformer2DModel.from_pretrained."""
+    """On every rank, atomic: `dcp/` (each rank's shards), state.pt (kind "full_finetune"); after the last epoch also
+    diffusers-format `transformer/` (+ `ema_transformer/` with --ema-decay > 0, as FluxTransformer2DModel loads)."""
     tmp = path + ".tmp"
     dcp.save(full_state(transformer, optimizer, ema_params), checkpoint_id=os.path.join(tmp, "dcp"))
     if next_epoch == args.epochs:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # all weights, gathered on rank 0's CPU
         for name, ema in [("transformer", []), ("ema_transformer", ema_params)][: 1 + (args.ema_decay > 0)]:
             with swapped(list(transformer.parameters()) if ema else [], ema):
-                full = get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+                full = get_model_state_dict(transformer, options=options)
             if rank == 0:  # sharded safetensors + config, as FluxTransformer2DModel.save_pretrained writes them
                 os.makedirs(os.path.join(tmp, name))
                 save_torch_state_dict(full, os.path.join(tmp, name), max_shard_size="10GB",
@@ -386,13 +383,6 @@ def save_full_checkpoint(path: str, transformer, optimizer, ema_params, next_epo
             os.rename(path, path + ".old")
         os.rename(tmp, path)
         shutil.rmtree(path + ".old", ignore_errors=True)
-
-
-def params_for_full_finetune(model: str) -> int:
-    """Parameter count of the model's transformer, from its config alone (built on the meta device)."""
-    with torch.device("meta"):
-        return sum(p.numel() for p in FluxTransformer2DModel.from_config(
-            FluxTransformer2DModel.load_config(model, subfolder="transformer")).parameters())
 
 
 @contextmanager
@@ -427,10 +417,10 @@ if __name__ == "__main__":
     check_model_path(args.model)
     if args.resume and not os.path.isfile(os.path.join(args.resume, "state.pt")):
         fail(f"--resume {args.resume!r} is not a checkpoint directory (no state.pt)")
-    if args.full_finetune and (args.lora_rank, args.lora_alpha) != (Args.lora_rank, Args.lora_alpha):
-        fail("--lora-rank and --lora-alpha are LoRA-only flags: --full-finetune trains every transformer weight")
-    if args.full_finetune and args.mixed_precision == "fp16":
-        fail("--full-finetune keeps fp32 weights under bf16 autocast (as upstream): use --mixed-precision bf16 or no")
+    lora_flags = (args.lora_rank, args.lora_alpha) != (Args.lora_rank, Args.lora_alpha)
+    if args.full_finetune and (lora_flags or args.mixed_precision == "fp16"):
+        fail("--full-finetune trains every weight in fp32 under bf16 autocast: no LoRA-only --lora-rank/--lora-alpha, "
+             "no --mixed-precision fp16")
     if args.resume and os.path.isdir(os.path.join(args.resume, "dcp")) != args.full_finetune:
         fail(f"--resume {args.resume!r} is a {'LoRA' if args.full_finetune else 'full fine-tuning'} checkpoint: "
              f"{'drop' if args.full_finetune else 'add'} --full-finetune")
@@ -448,16 +438,17 @@ if __name__ == "__main__":
     rank, world, device = setup_distributed()
     if device.type == "cuda":  # cuDNN attention's backward crashes or returns NaN on FLUX (torch 2.11, H100): use flash
         torch.backends.cuda.enable_cudnn_sdp(False)
-    if args.full_finetune and len(test_prompts) % world:
-        fail(f"--full-finetune: {len(test_prompts)} test prompts do not split evenly into {world} GPUs (every FSDP "
-             "forward runs on all ranks)")
-    if args.full_finetune and world == 1:  # fp32 weights + grads + AdamW's two moments = 16 bytes per parameter
-        need = 16 * params_for_full_finetune(args.model)
+    if args.full_finetune and len(test_prompts) % world:  # FSDP: every forward runs on all ranks
+        fail(f"--full-finetune: {len(test_prompts)} test prompts do not split evenly into {world} GPUs")
+    if args.full_finetune and world == 1:  # fp32 weights, grads, AdamW's 2 moments: 16 bytes/parameter (meta device)
+        with torch.device("meta"):
+            config = FluxTransformer2DModel.load_config(args.model, subfolder="transformer")
+            need = 16e-9 * sum(p.numel() for p in FluxTransformer2DModel.from_config(config).parameters())
         have = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
-                else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+                else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 1e9
         if need > have:
-            fail(f"--full-finetune of {need / 16e9:.1f}B parameters needs {need / 1e9:.0f} GB for fp32 weights, grads "
-                 f"and AdamW states alone, this {device.type} has {have / 1e9:.0f} GB: shard it with torchrun (README)")
+            fail(f"--full-finetune needs {need:.0f} GB for fp32 weights, grads and AdamW states alone, one "
+                 f"{device.type} has {have:.0f} GB: shard it over GPUs with torchrun (README)")
     images_per_epoch = args.prompts_per_epoch * args.group_size
     if images_per_epoch % (world * args.batch_size):
         fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split into {world} GPUs x "
@@ -488,7 +479,7 @@ if __name__ == "__main__":
         fail(f"--resolution {args.resolution} is not a multiple of {2 * pipe.vae_scale_factor} (VAE x 2x2 packing)")
     torch.manual_seed(args.seed)
     if args.full_finetune:
-        transformer.requires_grad_(True)
+        shard_for_full_finetune(transformer)
     else:
         transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian",
                                            target_modules=LORA_TARGETS))
@@ -497,8 +488,6 @@ if __name__ == "__main__":
         p.data = p.data.float()
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    if args.full_finetune:
-        lora_params = shard_for_full_finetune(transformer)
     optimizer = torch.optim.AdamW(lora_params, lr=args.learning_rate, weight_decay=args.weight_decay)
     scaler = torch.amp.GradScaler(device.type, enabled=args.mixed_precision == "fp16")
     ema_params = [p.detach().clone() for p in lora_params]
@@ -636,16 +625,12 @@ if __name__ == "__main__":
                 micro += 1
                 if micro % accum:
                     continue
-                # one optimizer step: average LoRA grads over ranks in one flat all-reduce (FSDP2 has averaged
-                # full-FT grads already), clip, step, EMA
+                # optimizer step: LoRA grads averaged over ranks in a flat all-reduce (FSDP2 did full FT's), clip, step, EMA
                 if world > 1 and not args.full_finetune:
                     flat = torch.cat([p.grad.flatten() for p in lora_params])
                     dist.all_reduce(flat)
-                    flat /= world
-                    offset = 0
-                    for p in lora_params:
-                        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-                        offset += p.numel()
+                    for p, g in zip(lora_params, (flat / world).split([p.numel() for p in lora_params])):
+                        p.grad.copy_(g.view_as(p))
                 scaler.unscale_(optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, args.max_grad_norm)
                 if not torch.isfinite(grad_norm) and not scaler.is_enabled():

@@ -123,8 +123,8 @@ def test_two_process_full_finetune_shards_and_exports(tiny_flux, tmp_path, base_
 
 def test_full_finetune_bad_input(tiny_flux, tmp_path, full_run):
     base = flags(tiny_flux, tmp_path)
-    assert_bad_input(SCRIPT, base + ["--lora-rank", "8"], "LoRA-only")
-    assert_bad_input(SCRIPT, base[:-len(FULL)] + FULL + ["--mixed-precision", "fp16"], "bf16 or no")
+    assert_bad_input(SCRIPT, base + ["--lora-alpha", "8"], "LoRA-only")
+    assert_bad_input(SCRIPT, base[:-len(FULL)] + FULL + ["--mixed-precision", "fp16"], "no --mixed-precision fp16")
     assert_bad_input(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path) + [
         "--resume", str(full_run[0] / "checkpoints" / "epoch_00002")], "add --full-finetune")
     # a FLUX-shaped config far too big for one process (counted on the meta device, nothing allocated)
@@ -133,4 +133,4 @@ def test_full_finetune_bad_input(tiny_flux, tmp_path, full_run):
     config = {"_class_name": "FluxTransformer2DModel", "num_layers": 100, "num_single_layers": 200,
               "guidance_embeds": True}  # the rest: FLUX.1-dev's widths (the class defaults)
     (big / "transformer" / "config.json").write_text(json.dumps(config))
-    assert_bad_input(SCRIPT, base + ["--model", str(big)], "shard it with torchrun")
+    assert_bad_input(SCRIPT, base + ["--model", str(big)], "shard it over GPUs with torchrun")
