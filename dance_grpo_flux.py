@@ -353,29 +353,21 @@ def shard_for_full_finetune(transformer):
     fully_shard(transformer)
 
 
-def full_state(transformer, optimizer, ema_params) -> dict:
-    """The sharded (DTensor) weights, AdamW state and EMA, keyed by name: what torch.distributed.checkpoint saves."""
-    model, optim = get_state_dict(transformer, optimizer)
-    return {"model": model, "optimizer": optim,
-            "ema": {name: e for (name, _), e in zip(transformer.named_parameters(), ema_params)}}
-
-
 def save_full_checkpoint(path: str, transformer, optimizer, ema_params, next_epoch, global_step, args, rank: int):
     """On every rank, atomic: `dcp/` (each rank's shards), state.pt (kind "full_finetune"); after the last epoch also
     diffusers-format `transformer/` (+ `ema_transformer/` with --ema-decay > 0, as FluxTransformer2DModel loads)."""
-    tmp = path + ".tmp"
-    dcp.save(full_state(transformer, optimizer, ema_params), checkpoint_id=os.path.join(tmp, "dcp"))
-    if next_epoch == args.epochs:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # all weights, gathered on rank 0's CPU
-        for name, ema in [("transformer", []), ("ema_transformer", ema_params)][: 1 + (args.ema_decay > 0)]:
-            with swapped(list(transformer.parameters()) if ema else [], ema):
-                full = get_model_state_dict(transformer, options=options)
-            if rank == 0:  # sharded safetensors + config, as FluxTransformer2DModel.save_pretrained writes them
-                os.makedirs(os.path.join(tmp, name))
-                save_torch_state_dict(full, os.path.join(tmp, name), max_shard_size="10GB",
-                                      filename_pattern="diffusion_pytorch_model{suffix}.safetensors")
-                with open(os.path.join(tmp, name, "config.json"), "w") as f:
-                    json.dump({**transformer.config, "_class_name": "FluxTransformer2DModel"}, f, indent=2)
+    tmp, (model, optim) = path + ".tmp", get_state_dict(transformer, optimizer)  # sharded, keyed by name
+    dcp.save({"model": model, "optimizer": optim, "ema": dict(zip(model, ema_params))}, checkpoint_id=f"{tmp}/dcp")
+    exports = [("transformer", []), ("ema_transformer", ema_params)] if next_epoch == args.epochs else []
+    for name, ema in exports[: 1 + bool(args.ema_decay)]:  # all weights, gathered on rank 0's CPU
+        with swapped(list(transformer.parameters()) if ema else [], ema):
+            full = get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:  # sharded safetensors + config, as FluxTransformer2DModel.save_pretrained writes them
+            out = f"{tmp}/{name}"
+            os.makedirs(out)
+            save_torch_state_dict(full, out, filename_pattern="diffusion_pytorch_model{suffix}.safetensors")
+            with open(f"{out}/config.json", "w") as f:
+                json.dump({**transformer.config, "_class_name": "FluxTransformer2DModel"}, f, indent=2)
     if rank == 0:
         torch.save({"kind": "full_finetune", "next_epoch": next_epoch, "global_step": global_step,
                     "args": asdict(args)}, os.path.join(tmp, "state.pt"))
@@ -501,8 +493,10 @@ if __name__ == "__main__":
     eval_reward_fn = reward_fn if args.eval_reward is None else rewards.build_reward(args.eval_reward, device=device)
     reward_weights = reward_fn.weights  # {component: weight}
     start_epoch, global_step = 0, 0
-    if args.resume and args.full_finetune:  # each rank reads its shards (any GPU count), in place
-        dcp.load(full_state(transformer, optimizer, ema_params), checkpoint_id=os.path.join(args.resume, "dcp"))
+    if args.resume and args.full_finetune:  # each rank reads its shards in place, from any GPU count's checkpoint
+        model_sd, optim_sd = get_state_dict(transformer, optimizer)
+        dcp.load({"model": model_sd, "optimizer": optim_sd, "ema": dict(zip(model_sd, ema_params))},
+                 checkpoint_id=os.path.join(args.resume, "dcp"))
         state = torch.load(os.path.join(args.resume, "state.pt"))
         start_epoch, global_step = state["next_epoch"], state["global_step"]
     elif args.resume:
@@ -625,7 +619,7 @@ if __name__ == "__main__":
                 micro += 1
                 if micro % accum:
                     continue
-                # optimizer step: LoRA grads averaged over ranks in a flat all-reduce (FSDP2 did full FT's), clip, step, EMA
+                # optimizer step: average LoRA grads in a flat all-reduce (FSDP2 did full FT's), clip, step, EMA
                 if world > 1 and not args.full_finetune:
                     flat = torch.cat([p.grad.flatten() for p in lora_params])
                     dist.all_reduce(flat)
