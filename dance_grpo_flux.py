@@ -414,8 +414,7 @@ if __name__ == "__main__":
         fail("--full-finetune trains every weight in fp32 under bf16 autocast: no LoRA-only --lora-rank/--lora-alpha, "
              "no --mixed-precision fp16")
     if args.resume and os.path.isdir(os.path.join(args.resume, "dcp")) != args.full_finetune:
-        fail(f"--resume {args.resume!r} is a {'LoRA' if args.full_finetune else 'full fine-tuning'} checkpoint: "
-             f"{'drop' if args.full_finetune else 'add'} --full-finetune")
+        fail(f"--resume {args.resume!r} is {'not ' * args.full_finetune}a --full-finetune checkpoint: match the flag")
     try:
         rewards.check_prompts(args.reward, train_prompts)
         rewards.check_prompts(args.eval_reward or args.reward, test_prompts)

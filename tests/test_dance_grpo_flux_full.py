@@ -156,7 +156,11 @@ def test_full_finetune_bad_input(tiny_flux, tmp_path, full_run):
     assert_bad_input(SCRIPT, base + ["--lora-alpha", "8"], "LoRA-only")
     assert_bad_input(SCRIPT, base[:-len(FULL)] + FULL + ["--mixed-precision", "fp16"], "no --mixed-precision fp16")
     assert_bad_input(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path) + [
-        "--resume", str(full_run[0] / "checkpoints" / "epoch_00002")], "add --full-finetune")
+        "--resume", str(full_run[0] / "checkpoints" / "epoch_00002")], "is a --full-finetune checkpoint")
+    lora_checkpoint = tmp_path / "lora_ckpt"
+    lora_checkpoint.mkdir()
+    torch.save({}, lora_checkpoint / "state.pt")
+    assert_bad_input(SCRIPT, base + ["--resume", str(lora_checkpoint)], "is not a --full-finetune checkpoint")
     # a FLUX-shaped config far too big for one process (counted on the meta device, nothing allocated)
     big = tmp_path / "huge"
     (big / "transformer").mkdir(parents=True)
