@@ -1,13 +1,20 @@
 """rewards.py: every formula against a hand computation, real OCR, tiny CLIP models, local HTTP servers."""
 
+import base64
 import builtins
+import http.client
 import io
+import itertools
 import json
 import math
+import os
 import pickle
+import struct
 import threading
 import time
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,6 +59,36 @@ def test_ocr_real_rapidocr_on_rendered_text():
         fn(images[:1], ["no quotes here"], [{}])
     pil = [Image.fromarray((text_image("FLOW GRPO").permute(1, 2, 0).numpy() * 255).astype("uint8"))]
     assert fn(pil, prompts[:1], [{}])[0][0] == pytest.approx(1.0)  # a list of PIL images works too
+
+
+FONT_FILES = [f"/usr/share/fonts/truetype/dejavu/{name}.ttf" for name in ("DejaVuSerif-Bold", "DejaVuSansMono")]
+
+
+def test_ocr_reads_rendered_text_of_several_fonts_sizes_and_lengths(monkeypatch):
+    """Upstream's engine settings (no angle classifier, PaddleOCR's detector defaults), and a perfect score on clean
+    renders: PIL's built-in font (no system fonts needed) plus DejaVu where installed, 3 sizes, 3 lengths."""
+    import rapidocr_onnxruntime
+
+    made, real = [], rapidocr_onnxruntime.RapidOCR
+    monkeypatch.setattr(rapidocr_onnxruntime, "RapidOCR", lambda **kw: made.append(kw) or real(**kw))
+    fn = rewards.build_reward("ocr")
+    assert made == [dict(use_cls=False, det_limit_side_len=960, det_limit_type="max", det_box_thresh=0.6,
+                         det_unclip_ratio=1.5, det_use_dilation=False, text_score=0.5)]
+    fonts = [lambda size: ImageFont.load_default(size=size)]
+    fonts += [lambda size, path=path: ImageFont.truetype(path, size) for path in FONT_FILES if os.path.exists(path)]
+    images, targets = [], []
+    for make_font in fonts:
+        for size, text in itertools.product((16, 28, 44), ("OPEN", "Hello World", "The quick brown fox jumps")):
+            font = make_font(size)
+            width = ImageDraw.Draw(Image.new("RGB", (1, 1))).textbbox((0, 0), text, font=font)[2]
+            img = Image.new("RGB", (width + 40, 3 * size), (240, 235, 220))
+            ImageDraw.Draw(img).text((20, size), text, fill=(20, 20, 60), font=font)
+            images.append(img)
+            targets.append(text)
+    scores, _ = fn(images, [f'A sign that says "{t}"' for t in targets], [{}] * len(images))
+    assert scores.tolist() == [1.0] * len(images)
+    cut = fn(images[-1:], ['A sign that says "The quick brown fox jumps over"'], [{}])[0]
+    assert cut.item() == pytest.approx(1 - 4 / 25)  # "over" missing: 4 of the 25 characters (spaces dropped)
 
 
 def test_check_prompts_and_spec_errors():
