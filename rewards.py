@@ -516,8 +516,8 @@ def release_memory():
         pass
 
 
-def make_server(spec: str, host: str, port: int, device="cpu", token: str = "", max_body_mb: float = 64.0,
-                max_images: int = 256, max_pixels: int = 2048 * 2048, timeout: float = 120.0):
+def make_server(spec: str, host: str = "127.0.0.1", port: int = 18090, device="cpu", token: str = "",
+                max_body_mb: float = 64.0, max_images: int = 256, max_pixels: int = 2048 * 2048, timeout: float = 120.0):
     """HTTP server of a reward spec. POST: JSON {images: [base64 PNG], prompts, metadata} -> {scores, info};
     GET: {reward, limits} (the client's token check). With a `token`, every request needs `Authorization: Bearer
     <token>` (401 missing, 403 wrong). Refused before anything is decoded: a body over `max_body_mb` (413), over
@@ -614,31 +614,30 @@ def make_server(spec: str, host: str, port: int, device="cpu", token: str = "", 
     return ThreadingHTTPServer((host, port), Handler)
 
 
+def serve(serve: str, host: str = "127.0.0.1", port: int = 18090, token: str = "", max_body_mb: float = 64.0,
+          max_images: int = 256, max_pixels: int = 2048 * 2048, timeout: float = 120.0,
+          device: str = "cuda" if torch.cuda.is_available() else "cpu"):
+    """Serve the reward spec `--serve` (e.g. hpsv2, or 'ocr=1,pickscore=0.5') for `--reward remote[url=...]`.
+
+    Args:
+        serve: the reward spec to serve.
+        host: address to bind: loopback by default; 0.0.0.0 opens the server to the network (set a token then).
+        port: TCP port.
+        token: shared secret every request must carry (default $REWARD_SERVER_TOKEN, which keeps it out of ps).
+        max_body_mb: largest request body accepted, MiB.
+        max_images: most images in one request.
+        max_pixels: most pixels (width x height) of one image.
+        timeout: seconds a client may take to send its request.
+        device: device of the reward models.
+    """
+    token = token or os.environ.get("REWARD_SERVER_TOKEN", "")
+    server = make_server(serve, host, port, device, token, max_body_mb, max_images, max_pixels, timeout)
+    print(f"serving reward {serve!r} on http://{host}:{server.server_address[1]} "
+          f"({'token required' if token else 'no token'})", flush=True)
+    if not token and host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: {host} is reachable from other machines and no token is set", flush=True)
+    server.serve_forever()
+
+
 if __name__ == "__main__":
-    import tyro
-
-    def serve(serve: str, host: str = "127.0.0.1", port: int = 18090, token: str = "", max_body_mb: float = 64.0,
-              max_images: int = 256, max_pixels: int = 2048 * 2048, timeout: float = 120.0,
-              device: str = "cuda" if torch.cuda.is_available() else "cpu"):
-        """Serve the reward spec `--serve` (e.g. hpsv2, or 'ocr=1,pickscore=0.5') for `--reward remote[url=...]`.
-
-        Args:
-            serve: the reward spec to serve.
-            host: address to bind: loopback by default; 0.0.0.0 opens the server to the network (set a token).
-            port: TCP port.
-            token: shared secret every request must carry (default $REWARD_SERVER_TOKEN, which keeps it out of ps).
-            max_body_mb: largest request body accepted, MiB.
-            max_images: most images in one request.
-            max_pixels: most pixels (width x height) of one image.
-            timeout: seconds a client may take to send its request.
-            device: device of the reward models.
-        """
-        token = token or os.environ.get("REWARD_SERVER_TOKEN", "")
-        server = make_server(serve, host, port, device, token, max_body_mb, max_images, max_pixels, timeout)
-        print(f"serving reward {serve!r} on http://{host}:{server.server_address[1]} "
-              f"({'token required' if token else 'no token'})", flush=True)
-        if not token and host not in ("127.0.0.1", "localhost", "::1"):
-            print(f"warning: {host} is reachable from other machines and no token is set", flush=True)
-        server.serve_forever()
-
-    tyro.cli(serve)
+    importlib.import_module("tyro").cli(serve)
