@@ -116,21 +116,20 @@ class PlainData(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it references {module}.{name}; only plain data is accepted")
 
 
-def checked(url: str, values, n: int) -> torch.Tensor:
-    """values -> float32 (n,); a wrong length or type, or a non-finite value, is one line naming the URL."""
-    try:
-        out = torch.tensor(values, dtype=torch.float32)
-        ok = out.shape == (n,) and bool(out.isfinite().all())
-    except (TypeError, ValueError, RuntimeError):
-        ok = False
-    if not ok:
-        raise RuntimeError(f"reward server {url} sent a malformed reply: expected {n} finite numbers, got "
-                           f"{one_line(repr(values), 120)}")
+def numbers(values, n: int) -> torch.Tensor:
+    """values as float32 (n,), or ValueError for a wrong length or type or a non-finite value."""
+    out = torch.tensor(values, dtype=torch.float32)
+    if out.shape != (n,) or not out.isfinite().all():
+        raise ValueError(f"expected {n} finite numbers, got {one_line(repr(values), 120)}")
     return out
 
 
-def malformed(url: str, e: Exception) -> RuntimeError:
-    return RuntimeError(f"reward server {url} sent a malformed reply ({type(e).__name__}: {one_line(e, 200)})")
+def read_reply(url: str, parse):
+    """parse() with any failure as one line naming the URL: a malformed reply is an error, not a traceback."""
+    try:
+        return parse()
+    except Exception as e:
+        raise RuntimeError(f"reward server {url} sent a malformed reply ({type(e).__name__}: {one_line(e)})") from None
 
 
 def floats(values) -> torch.Tensor:
@@ -312,13 +311,9 @@ def geneval(url="http://127.0.0.1:18085", timeout=120.0, retries=5, batch_size=6
                                  "meta_datas": list(metadata[start : start + batch_size]),
                                  "only_strict": key != "rewards"})
             raw = post(url, body, "application/octet-stream", timeout, retries)
-            try:  # upstream's protocol is pickle both ways: unpickle the reply as plain data only
-                reply = PlainData(io.BytesIO(raw)).load()
-                got, got_strict = reply[key], reply.get("strict_rewards", reply["scores"])
-            except Exception as e:
-                raise malformed(url, e) from None
-            scores.append(checked(url, got, len(batch)))
-            strict.append(checked(url, got_strict, len(batch)))
+            reply = read_reply(url, lambda: PlainData(io.BytesIO(raw)).load())  # upstream pickles: read data only
+            scores.append(read_reply(url, lambda: numbers(reply[key], len(batch))))
+            strict.append(read_reply(url, lambda: numbers(reply.get("strict_rewards", reply["scores"]), len(batch))))
         return torch.cat(scores), {"geneval_strict": torch.cat(strict)}
     return fn
 
@@ -342,13 +337,9 @@ def chat_reward(url, model, api_key, text, timeout, retries, workers, score_repl
             {"type": "text", "text": text.format(prompt=prompt)}]}]}
         reply = post(url.rstrip("/") + "/chat/completions", json.dumps(body).encode(), "application/json",
                      float(timeout), int(retries), headers)
-        try:
-            return float(score_reply(json.loads(reply)))
-        except Exception as e:
-            raise malformed(url, e) from None
+        return read_reply(url, lambda: numbers([score_reply(json.loads(reply))], 1)[0])
 
-    return lambda images, prompts, metadata: (checked(url, list(pool.map(score, to_pil(images), prompts)),
-                                                      len(prompts)), {})
+    return lambda images, prompts, metadata: (torch.stack(list(pool.map(score, to_pil(images), prompts))), {})
 
 
 def vlm_judge(url="http://127.0.0.1:17140/v1", model="UnifiedReward-7b-v1.5", api_key="flowgrpo",
@@ -391,12 +382,9 @@ def remote(url="http://127.0.0.1:18090", timeout=300.0, retries=5, token=""):
         pngs = [base64.b64encode(encoded(img, "PNG")).decode() for img in to_pil(images)]
         body = json.dumps({"images": pngs, "prompts": list(prompts), "metadata": list(metadata)}).encode()
         raw = post(url, body, "application/json", float(timeout), int(retries), headers)
-        try:
-            reply = json.loads(raw)
-            scores, info = reply["scores"], dict(reply["info"])
-        except Exception as e:
-            raise malformed(url, e) from None
-        return checked(url, scores, len(pngs)), {str(k): checked(url, v, len(pngs)) for k, v in info.items()}
+        reply = read_reply(url, lambda: json.loads(raw))
+        return read_reply(url, lambda: (numbers(reply["scores"], len(pngs)),
+                                        {str(k): numbers(v, len(pngs)) for k, v in dict(reply["info"]).items()}))
     return fn
 
 
@@ -508,40 +496,60 @@ class Refused(Exception):
     """(HTTP status, message): the server's answer to a request it will not score."""
 
 
-def release_memory():
-    """Hand freed heap back to the OS (glibc keeps large freed blocks otherwise): RSS returns to its baseline."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
 def make_server(spec: str, host: str = "127.0.0.1", port: int = 18090, device="cpu", token: str = "",
                 max_body_mb: float = 64.0, max_images: int = 256, max_pixels: int = 2048 * 2048, timeout: float = 120.0):
     """HTTP server of a reward spec. POST: JSON {images: [base64 PNG], prompts, metadata} -> {scores, info};
     GET: {reward, limits} (the client's token check). With a `token`, every request needs `Authorization: Bearer
-    <token>` (401 missing, 403 wrong). Refused before anything is decoded: a body over `max_body_mb` (413), over
-    `max_images` images or an image over `max_pixels` (413); a client slower than `timeout` s is dropped (408).
-    Requests are scored one at a time and memory is released after each."""
+    <token>` (401 missing, 403 wrong). Refused before anything is decoded: a body over `max_body_mb`, more than
+    `max_images` images, an image over `max_pixels` (413); a client slower than `timeout` s is dropped (408).
+    Requests are scored one at a time, and freed memory is handed back to the OS after each."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     fn, lock, max_body = build_reward(spec, device=device), threading.Lock(), int(max_body_mb * 2**20)
     limits = {"max_body_mb": max_body_mb, "max_images": max_images, "max_pixels": max_pixels, "timeout": timeout}
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None) if os.name == "posix" else None  # glibc keeps freed heap
 
     class Handler(BaseHTTPRequestHandler):
-        def send(self, status: int, payload: dict):
+        def do_GET(self):
+            self.answer(lambda body: {"reward": spec, "limits": limits})
+
+        def do_POST(self):
+            self.answer(lambda body: self.score(json.loads(body)))
+
+        def answer(self, work):
+            deadline, length = time.monotonic() + timeout, self.headers.get("Content-Length", "0")
+            try:
+                if not length.isdigit():
+                    raise Refused(400, f"bad Content-Length {length!r}")
+                try:
+                    given = self.headers.get("Authorization", "")
+                    if token and not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                        raise Refused(403, "wrong token") if given else Refused(
+                            401, "this reward server needs a token: remote[token=...] or $REWARD_SERVER_TOKEN")
+                    if int(length) > max_body:
+                        raise Refused(413, f"request body of {int(length) / 2**20:.1f} MiB is over this server's "
+                                           f"limit of {max_body_mb:g} MiB (--max-body-mb)")
+                except Refused:
+                    self.read(-int(length), deadline)  # discard the body so that the client reads the answer
+                    raise
+                status, payload = 200, work(self.read(int(length), deadline))
+            except Refused as e:
+                status, payload = e.args[0], {"error": e.args[1]}
+            except Exception as e:  # the client sees the reason, not a dropped connection
+                status, payload = 400, {"error": one_line(repr(e), 1000)}
+            if trim:
+                trim(0)  # the request's images are gone by now: memory returns to its baseline
             body = json.dumps(payload).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
-            if status != 200:
-                self.send_header("Connection", "close")
-                self.close_connection = True
+            self.send_header("Connection", "keep-alive" if status == 200 else "close")
+            self.close_connection = self.close_connection or status != 200
             self.end_headers()
             self.wfile.write(body)
 
         def read(self, n: int, deadline: float) -> bytes:
-            """n bytes of body (b"" for n < 0 after discarding the rest), or Refused(408) past the deadline."""
+            """n bytes of body (with n < 0: -n bytes discarded), or Refused(408) past the deadline."""
             chunks, left = [], abs(n)
             while left > 0:
                 try:
@@ -554,45 +562,8 @@ def make_server(spec: str, host: str = "127.0.0.1", port: int = 18090, device="c
                 chunks.append(chunk) if n > 0 else None
             return b"".join(chunks)
 
-        def authorise(self):
-            given = self.headers.get("Authorization")
-            if token and not given:
-                raise Refused(401, "this reward server needs a token: remote[token=...] or $REWARD_SERVER_TOKEN")
-            if token and not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                raise Refused(403, "wrong token")
-
-        def do_GET(self):
-            try:
-                self.authorise()
-                self.send(200, {"reward": spec, "limits": limits})
-            except Refused as e:
-                self.send(e.args[0], {"error": e.args[1]})
-
-        def do_POST(self):
-            deadline, length = time.monotonic() + timeout, self.headers.get("Content-Length", "")
-            if not length.isdigit():
-                return self.send(411, {"error": "a Content-Length header is required"})
-            try:
-                try:
-                    self.authorise()
-                    if int(length) > max_body:
-                        raise Refused(413, f"request body of {int(length) / 2**20:.1f} MiB is over this server's "
-                                           f"limit of {max_body_mb:g} MiB (--max-body-mb)")
-                except Refused:
-                    self.read(-int(length), deadline)  # discard the body so that the client reads the answer
-                    raise
-                status, payload = 200, self.score(json.loads(self.read(int(length), deadline)))
-            except Refused as e:
-                status, payload = e.args[0], {"error": e.args[1]}
-            except Exception as e:  # the client sees the reason, not a dropped connection
-                status, payload = 400, {"error": one_line(repr(e), 1000)}
-            release_memory()  # the request's images are gone by now
-            self.send(status, payload)
-
         def score(self, request) -> dict:
-            images, prompts, metadata = request["images"], request["prompts"], request["metadata"]
-            if not (isinstance(images, list) and isinstance(prompts, list) and isinstance(metadata, list)):
-                raise ValueError("images, prompts and metadata must be lists")
+            images, prompts, metadata = (list(request[key]) for key in ("images", "prompts", "metadata"))
             if len(images) > max_images:
                 raise Refused(413, f"{len(images)} images is over this server's limit of {max_images} (--max-images)")
             try:  # Image.open reads the header only: sizes are checked before any pixel is decoded
@@ -620,15 +591,10 @@ def serve(serve: str, host: str = "127.0.0.1", port: int = 18090, token: str = "
     """Serve the reward spec `--serve` (e.g. hpsv2, or 'ocr=1,pickscore=0.5') for `--reward remote[url=...]`.
 
     Args:
-        serve: the reward spec to serve.
         host: address to bind: loopback by default; 0.0.0.0 opens the server to the network (set a token then).
-        port: TCP port.
         token: shared secret every request must carry (default $REWARD_SERVER_TOKEN, which keeps it out of ps).
-        max_body_mb: largest request body accepted, MiB.
-        max_images: most images in one request.
-        max_pixels: most pixels (width x height) of one image.
-        timeout: seconds a client may take to send its request.
-        device: device of the reward models.
+        max_body_mb: largest request body accepted (MiB); max_images: most images per request; max_pixels: most
+            pixels (width x height) of one image; timeout: seconds a client may take to send its request.
     """
     token = token or os.environ.get("REWARD_SERVER_TOKEN", "")
     server = make_server(serve, host, port, device, token, max_body_mb, max_images, max_pixels, timeout)

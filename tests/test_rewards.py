@@ -445,9 +445,10 @@ def test_reward_server_refuses_with_4xx_and_keeps_serving():
         assert (got, message in reply["error"]) == (status, True), reply
         assert post(url, good, auth)[0] == 200  # the next good request is served
     host, port = server.server_address
-    for raw, status in ((b"POST / HTTP/1.1\r\nHost: x\r\n\r\n", b" 411 "),  # no Content-Length
-                        (b"POST / HTTP/1.1\r\nAuthorization: Bearer s3cret\r\nContent-Length: 1000\r\n\r\n0123", b" 408 ")):
-        with socket.create_connection((host, port), timeout=10) as client:  # 408: a stalled body after timeout=1 s
+    stalled = b"POST / HTTP/1.1\r\nAuthorization: Bearer s3cret\r\nContent-Length: 1000\r\n\r\n0123"
+    for raw, status in ((b"POST / HTTP/1.1\r\nContent-Length: -5\r\n\r\n", b" 400 "),  # before any token check
+                        (stalled, b" 408 ")):  # the body stalls: dropped after timeout=1 s
+        with socket.create_connection(server.server_address, timeout=10) as client:
             client.sendall(raw)
             assert status in client.recv(1000)
     assert post(url, good, auth)[0] == 200
