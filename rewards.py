@@ -170,6 +170,8 @@ def ocr(workers: int = 8, rec_model: str = "", rec_keys: str = ""):
     no dilation, drop score 0.5. The wheel ships only the Chinese+English PP-OCRv4 recognizer (upstream: English
     en_PP-OCRv4_rec); `rec_model`/`rec_keys`: a local English .onnx and its character list instead."""
     paths = {"rec_model_path": rec_model, "rec_keys_path": rec_keys}
+    if missing := [path for path in paths.values() if path and not os.path.isfile(path)]:
+        raise ValueError(f"ocr reward: no such file {missing[0]!r} (rec_model / rec_keys)")
     engine = require("rapidocr_onnxruntime", "rapidocr-onnxruntime", "ocr").RapidOCR(
         use_cls=False, det_limit_side_len=960, det_limit_type="max", det_box_thresh=0.6, det_unclip_ratio=1.5,
         det_use_dilation=False, text_score=0.5, **{k: v for k, v in paths.items() if v})

@@ -93,6 +93,8 @@ def test_ocr_reads_rendered_text_of_several_fonts_sizes_and_lengths(monkeypatch)
             targets.append(text)
     scores, _ = fn(images, [f'A sign that says "{t}"' for t in targets], [{}] * len(images))
     assert scores.tolist() == [1.0] * len(images)
+    with pytest.raises(ValueError, match="ocr reward: no such file '/nope/en.onnx'"):
+        rewards.build_reward("ocr[rec_model=/nope/en.onnx]")
     cut = fn(images[-1:], ['A sign that says "The quick brown fox jumps over"'], [{}])[0]
     assert cut.item() == pytest.approx(1 - 4 / 25)  # "over" missing: 4 of the 25 characters (spaces dropped)
 
