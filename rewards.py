@@ -499,7 +499,7 @@ class Refused(Exception):
 
 
 def make_server(spec: str, host: str = "127.0.0.1", port: int = 18090, device="cpu", token: str = "",
-                max_body_mb: float = 64.0, max_images: int = 256, max_pixels: int = 2048 * 2048, timeout: float = 120.0):
+                max_body_mb: float = 64.0, max_images: int = 256, max_pixels: int = 2048**2, timeout: float = 120.0):
     """HTTP server of a reward spec. POST: JSON {images: [base64 PNG], prompts, metadata} -> {scores, info};
     GET: {reward, limits} (the client's token check). With a `token`, every request needs `Authorization: Bearer
     <token>` (401 missing, 403 wrong). Refused before anything is decoded: a body over `max_body_mb`, more than

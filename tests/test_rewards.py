@@ -355,7 +355,8 @@ def test_network_rewards_fail_fast_and_clearly(monkeypatch):
     for name in ("geneval", "vlm_judge", "vlm_yesno", "remote"):  # at build time, before any model would load
         with pytest.raises(ValueError) as error:
             rewards.build_reward(f"{name}[url={url}]")
-        assert str(error.value) == f"reward server {url} is not reachable: Connection refused (is the server running there?)"
+        assert str(error.value) == f"reward server {url} is not reachable: Connection refused (is the server running " \
+                                   f"there?)"
     with pytest.raises(ValueError, match="reward server localhost:18085 is not reachable: not an http"):
         rewards.build_reward("geneval[url=localhost:18085]")
     sleeps = []
@@ -370,7 +371,8 @@ def test_network_rewards_fail_fast_and_clearly(monkeypatch):
     assert sleeps == []
     statuses = iter([503, 500, 200])  # 5xx: backoff 1 s, 2 s, then the answer
     server, url = serve(lambda path, body: (status := next(statuses), JUDGED if status == 200 else b"busy"))
-    assert rewards.build_reward(f"vlm_judge[url={url};retries=3]")(torch.rand(1, 3, 8, 8), ["p"], [{}])[0].tolist() == [pytest.approx(0.8)]
+    score, _ = rewards.build_reward(f"vlm_judge[url={url};retries=3]")(torch.rand(1, 3, 8, 8), ["p"], [{}])
+    assert score.tolist() == [pytest.approx(0.8)]
     assert sleeps == [1, 2]
     slow, slow_url = serve(lambda path, body: (200, JUDGED), delay=3.0)  # timeouts back off too, then one line
     with pytest.raises(RuntimeError, match=f"reward server {slow_url}/chat/completions failed after 2 tries "
@@ -467,7 +469,8 @@ def test_remote_client_token_and_refusal_fail_in_one_line(monkeypatch):
         assert "\n" not in str(error.value)
     images = torch.rand(2, 3, 16, 16)
     local, _ = rewards.build_reward("jpeg_compressibility")(images, ["a", "b"], [{}, {}])
-    assert torch.allclose(rewards.build_reward(f"remote[url={url};token=s3cret]")(images, ["a", "b"], [{}, {}])[0], local)
+    fn = rewards.build_reward(f"remote[url={url};token=s3cret]")
+    assert torch.allclose(fn(images, ["a", "b"], [{}, {}])[0], local)
     monkeypatch.setenv("REWARD_SERVER_TOKEN", "s3cret")
     fn = rewards.build_reward(f"remote[url={url}]")
     assert torch.allclose(fn(images, ["a", "b"], [{}, {}])[0], local)
@@ -490,7 +493,8 @@ def test_reward_server_cli_memory_returns_to_baseline():
                             stderr=subprocess.STDOUT, text=True)
     try:
         line = proc.stdout.readline()
-        assert line.startswith("serving reward 'jpeg_compressibility' on http://127.0.0.1:") and "token required" in line
+        assert line.startswith("serving reward 'jpeg_compressibility' on http://127.0.0.1:"), line
+        assert "token required" in line
         url, auth = line.split()[4], {"Authorization": "Bearer s3cret"}
         small, large = request([png_b64(64, 64)]), request([png_b64(2048, 2048, seed=i) for i in range(6)])
         assert post(url, small)[0] == 401
