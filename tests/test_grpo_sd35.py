@@ -1,13 +1,16 @@
 """grpo_sd35.py: hand-computed advantage/loss units, then end-to-end runs on the tiny offline SD3 pipeline."""
 
 import math
+from contextlib import nullcontext
 
 import pytest
 import torch
 
-from grpo_sd35 import compute_advantages, group_advantages, grpo_loss
+from grpo_sd35 import (compute_advantages, draw_sde_window, group_advantages, grpo_loss, predict_velocity,
+                       ratio_norm_log_ratio, rollout, window_rollout)
 from scripts_harness import (TOY_REWARD, assert_bad_input, assert_common_run, assert_eval_only_reproduces,
                              assert_reward_rose, lora_tensors, read_metrics, run_script, tiny_sd35_flags)
+from sde import gaussian_log_prob, sde_step
 
 SCRIPT = "grpo_sd35.py"
 
@@ -62,6 +65,119 @@ def test_grpo_loss_gradient_on_policy_is_minus_advantage():
     loss, _ = grpo_loss(lp, torch.zeros(2), torch.tensor([2.0, -1.0]), clip_range=1e-4, adv_clip=5.0)
     loss.backward()
     assert torch.allclose(lp.grad, torch.tensor([-1.0, 0.5]))
+
+
+class FakeVelocity(torch.nn.Module):
+    """A deterministic stand-in for the SD3 transformer (v = x / 2 + t / 1000 + mean(pooled)) that records each
+    forward's batch size."""
+
+    def __init__(self):
+        super().__init__()
+        self.batch_sizes = []
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, pooled_projections, return_dict):
+        self.batch_sizes.append(hidden_states.shape[0])
+        shift = (timestep / 1000 + pooled_projections.mean(dim=1)).view(-1, 1, 1, 1)
+        return (hidden_states / 2 + shift,)
+
+
+def fake_cond(batch: int):
+    gen = torch.Generator().manual_seed(1)
+    return (torch.zeros(batch, 5, 8), torch.randn(batch, 4, generator=gen), torch.zeros(1, 5, 8), torch.zeros(1, 4))
+
+
+def test_sde_window_start_is_drawn_from_a_to_b_minus_k_inclusive():
+    draws = [draw_sde_window(3, (0, 5), 10, torch.Generator().manual_seed(s)) for s in range(200)]
+    assert {start for start, _ in draws} == {0, 1, 2}  # upstream random.randint(0, 5 - 3): both ends included
+    assert all(end == start + 3 <= 5 for start, end in draws)  # the window never leaves [A, B)
+    assert {draw_sde_window(2, (4, 6), 10, torch.Generator().manual_seed(s)) for s in range(20)} == {(4, 6)}
+    assert draw_sde_window(0, (0, 5), 10, None) == (0, 10)  # no window: every step is SDE (May-2025 Flow-GRPO)
+    gen_a, gen_b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    assert [draw_sde_window(2, (0, 6), 10, gen_a) for _ in range(9)] == [draw_sde_window(2, (0, 6), 10, gen_b)
+                                                                         for _ in range(9)]  # seeded: resumable
+
+
+@pytest.mark.parametrize("kind", ["flow", "cps"])
+@pytest.mark.parametrize("window", [(2, 4), (0, 2), (3, 5)])
+def test_window_rollout_is_sde_inside_the_window_and_ode_outside(kind, window):
+    sigmas, cond, model = torch.linspace(1, 0, 7), fake_cond(2), FakeVelocity()  # T = 6 steps
+    noise = torch.randn(2, 4, 3, 3, generator=torch.Generator().manual_seed(0))
+    runs = [window_rollout(model, noise, sigmas, window, kind, 0.8, cond, 1.0, nullcontext(),
+                           torch.Generator().manual_seed(seed)) for seed in (0, 1)]
+    (latents, log_probs, means, final), (latents_b, _, _, final_b) = runs
+    assert latents.shape == (2, 3, 4, 3, 3) and log_probs.shape == (2, 2) and means.shape == (2, 2, 4, 3, 3)
+
+    def euler(x, steps):
+        for i in steps:
+            x = x + predict_velocity(model, x, sigmas[i], *cond, 1.0) * (sigmas[i + 1] - sigmas[i])
+        return x
+
+    # ODE before the window: its first latent is plain Euler from the noise, the same for any generator
+    assert torch.allclose(latents[:, 0], euler(noise, range(window[0])), atol=1e-6)
+    assert torch.equal(latents[:, 0], latents_b[:, 0])
+    # SDE inside: another generator gives other latents; only the window's K steps are stored
+    assert not torch.allclose(latents[:, 1:], latents_b[:, 1:])
+    # ODE after the window: deterministic Euler from the window's last latent
+    assert torch.allclose(final, euler(latents[:, -1], range(window[1], 6)), atol=1e-6)
+    # training re-scores every stored window step exactly as sampled (on-policy ratio exactly 1)
+    for j in range(2):
+        t = window[0] + j
+        v = predict_velocity(model, latents[:, j], sigmas[t], *cond, 1.0)
+        _, log_prob, mean, std = sde_step(v, latents[:, j], sigmas[t], sigmas[t + 1], kind, 0.8,
+                                          prev_sample=latents[:, j + 1], sigma_max=sigmas[1])
+        assert torch.equal(log_prob, log_probs[:, j]) and torch.equal(mean, means[:, j]) and (std > 0).all()
+        if kind == "cps":  # CPS inside the window: its constant-free log-prob and std sigma_next sin(a pi / 2)
+            assert torch.allclose(log_prob, -((latents[:, j + 1] - mean) ** 2).mean(dim=(1, 2, 3)))
+            assert torch.allclose(std, sigmas[t + 1] * math.sin(0.8 * math.pi / 2))
+
+
+def test_window_rollout_without_a_window_is_the_shared_rollout():
+    sigmas, cond, model = torch.linspace(1, 0, 5), fake_cond(3), FakeVelocity()
+    noise = torch.randn(3, 4, 3, 3, generator=torch.Generator().manual_seed(0))
+    latents, log_probs, means, final = window_rollout(model, noise, sigmas, (0, 4), "flow", 0.7, cond, 4.5,
+                                                      nullcontext(), torch.Generator().manual_seed(3))
+    want_latents, want_log_probs = rollout(model, noise, sigmas, "flow", 0.7, *cond, 4.5, nullcontext(),
+                                           torch.Generator().manual_seed(3))
+    assert torch.equal(latents, want_latents) and torch.equal(log_probs, want_log_probs)
+    assert torch.equal(final, want_latents[:, -1]) and means.shape == (3, 4, 4, 3, 3)
+
+
+def test_guidance_one_runs_no_unconditional_forward():
+    model, cond = FakeVelocity(), fake_cond(3)
+    x = torch.randn(3, 4, 3, 3)
+    predict_velocity(model, x, 0.5, *cond, 1.0)
+    predict_velocity(model, x, 0.5, *cond, 4.5)
+    assert model.batch_sizes == [3, 6]  # CFG doubles the batch ([uncond; cond]); guidance 1 runs the cond half only
+    model.batch_sizes.clear()
+    window_rollout(model, x, torch.linspace(1, 0, 5), (1, 3), "cps", 0.8, cond, 1.0, nullcontext(), None)
+    assert model.batch_sizes == [3] * 4
+
+
+def test_ratio_norm_by_hand():
+    # one sample, two elements: old mean 0, new mean (0.1, -0.2), std s = 0.5, x' = old mean + s * eps with eps = (1, 1)
+    old_mean, mean = torch.zeros(1, 2), torch.tensor([[0.1, -0.2]], requires_grad=True)
+    s, x_next = torch.tensor([0.5]), torch.tensor([[0.5, 0.5]])
+    log_prob, old_log_prob = gaussian_log_prob(x_next, mean, s.view(-1, 1)), gaussian_log_prob(x_next, old_mean, s)
+    # raw: mean(((x' - old)^2 - (x' - new)^2) / (2 s^2)) = mean((0.25 - 0.16, 0.25 - 0.49) / 0.5) = mean(0.18, -0.48)
+    assert (log_prob - old_log_prob).item() == pytest.approx(-0.15, abs=1e-6)
+    # bias mean((0.01, 0.04)) / (2 s^2) = 0.05 added back, times s: (-0.15 + 0.05) * 0.5 = mean(eps * dmu) = -0.05
+    normed = ratio_norm_log_ratio(log_prob, old_log_prob, mean, old_mean, s)
+    assert normed.item() == pytest.approx(-0.05, abs=1e-6)
+    normed.sum().backward()
+    assert torch.allclose(mean.grad, torch.tensor([[0.5, 0.5]]))  # eps / D: no 1/s left in the gradient
+    on_policy = ratio_norm_log_ratio(old_log_prob, old_log_prob, old_mean, old_mean, s)
+    assert torch.equal(on_policy, torch.zeros(1))  # exactly on-policy: ratio exactly 1
+
+
+def test_ratio_norm_is_mean_of_noise_times_mean_shift_at_any_step_std():
+    gen = torch.Generator().manual_seed(0)
+    old_mean, eps, shift = (torch.randn(4, 3, 2, 2, generator=gen) for _ in range(3))
+    for s in (0.006, 0.3, 0.7):  # Flow-GRPO's last and first SD3 step stds differ by 100x
+        std, mean, x_next = torch.full((4,), s), old_mean + 0.01 * shift, old_mean + s * eps
+        sd = std.view(-1, 1, 1, 1)
+        normed = ratio_norm_log_ratio(gaussian_log_prob(x_next, mean, sd), gaussian_log_prob(x_next, old_mean, sd),
+                                      mean, old_mean, std)
+        assert torch.allclose(normed, (eps * 0.01 * shift).mean(dim=(1, 2, 3)), atol=1e-5)
 
 
 # ---- end to end ----------------------------------------------------------------------------------------------------
