@@ -2,6 +2,7 @@
 
 import math
 from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 import torch
@@ -220,7 +221,68 @@ def test_learning_brightness_rises(tiny_sd3, tmp_path):
     assert_reward_rose(read_metrics(run_dir), window=2)
 
 
+FAST_NOCFG = ["--sde-window-size", "2", "--sde-window-range", "0", "3", "--sde-kind", "cps", "--noise-level", "0.8",
+              "--clip-range", "1e-5", "--guidance-scale", "1", "--kl-beta", "0.04"]  # upstream *_fast_nocfg, plus a KL
+GUARD = ["--ratio-norm", "--clip-range", "2e-6", "--learning-rate", "1e-4", "--kl-beta", "0", "--per-group-std"]
+
+
+def run_printing(flags: list[str], nproc: int = 1):
+    """Run to completion; returns (run dir, stdout)."""
+    proc = run_script(SCRIPT, flags, nproc=nproc, check=False)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    out = flags[flags.index("--output-dir") + 1]
+    (run_dir,) = [p for p in Path(out).iterdir() if p.is_dir()]
+    return run_dir, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def fast_run(tiny_sd3, tmp_path_factory):
+    return run_printing(tiny_sd35_flags(tiny_sd3, tmp_path_factory.mktemp("fast")) + FAST_NOCFG + ["--epochs", "2"])
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("recipe", ["fast", "guard"])
+def test_recipe_runs_train_the_window_and_stay_on_policy(tiny_sd3, tmp_path, fast_run, nproc, recipe):
+    flags = tiny_sd35_flags(tiny_sd3, tmp_path) + (FAST_NOCFG if recipe == "fast" else GUARD + ["--sde-window-size", "2"])
+    run_dir, stdout = fast_run if (recipe, nproc) == ("fast", 1) else run_printing(
+        flags + ["--epochs", "2", "--batch-size", str(4 // nproc)], nproc)
+    # 8 images / (nproc x batch 4 // nproc) = 2 micro-batches per GPU, 1 per update, each trains only the window's 2 steps
+    assert "2 updates/epoch of 2 micro-steps each" in stdout, stdout
+    metrics = assert_common_run(run_dir, epochs=2)
+    for m in metrics:
+        assert m["losses/on_policy_ratio_dev"] < 1e-6  # the first micro-step re-scores the rollout exactly
+    assert (metrics[-1]["losses/kl"] > 0) == (recipe == "fast")  # CPS's KL (its step std), none at --kl-beta 0
+
+
+def test_ratio_norm_over_every_step(tiny_sd3, tmp_path):
+    run_dir, stdout = run_printing(tiny_sd35_flags(tiny_sd3, tmp_path) + GUARD + ["--epochs", "2"])
+    assert "of 3 micro-steps each" in stdout  # no window: the first int(4 x 0.99) = 3 steps, as the May-2025 run
+    for m in assert_common_run(run_dir, epochs=2):
+        assert m["losses/on_policy_ratio_dev"] < 1e-6
+
+
+def test_window_run_resumes_exactly(tiny_sd3, tmp_path, fast_run):
+    first, _ = run_printing(tiny_sd35_flags(tiny_sd3, tmp_path / "a") + FAST_NOCFG + ["--epochs", "1"])
+    resumed, _ = run_printing(tiny_sd35_flags(tiny_sd3, tmp_path / "b") + FAST_NOCFG + [
+        "--epochs", "2", "--resume", str(first / "checkpoints" / "epoch_00001")])
+    want = lora_tensors(fast_run[0] / "checkpoints" / "epoch_00002")
+    assert all(torch.allclose(w, g, atol=1e-6) for w, g in zip(want, lora_tensors(resumed / "checkpoints" / "epoch_00002")))
+    assert read_metrics(resumed)[0]["reward/mean"] == read_metrics(fast_run[0])[1]["reward/mean"]  # same windows, noise
+
+
+def test_eval_guidance_scale_is_used_by_eval_only(tiny_sd3, tmp_path, one_process_run):
+    ckpt = str(one_process_run / "checkpoints" / "epoch_00002")
+    evals = [read_metrics(run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path / name) + [
+        "--eval-only", "--resume", ckpt] + flags))[0]["eval/reward_mean"]
+        for name, flags in [("same", ["--eval-guidance-scale", "4.5"]), ("one", ["--eval-guidance-scale", "1"])]]
+    assert evals[0] == read_metrics(one_process_run)[-1]["eval/final_reward_mean"] and evals[1] != evals[0]
+
+
 @pytest.mark.parametrize("flags,message", [
+    (["--sde-window-size", "3", "--sde-window-range", "0", "2"], "does not fit"),
+    (["--sde-window-size", "2", "--sde-window-range", "3", "5"], "does not fit"),  # B > --num-steps 4
+    (["--sde-window-size", "-1"], "does not fit"),
+    (["--ratio-norm", "--sde-kind", "cps"], "--ratio-norm needs --sde-kind flow"),
     (["--train-prompts", "missing.txt"], "does not exist"),
     (["--reward", "no_such_reward"], "no_such_reward"),
     (["--model", "/nonexistent/model"], "neither an existing local path"),
