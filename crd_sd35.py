@@ -34,7 +34,7 @@ from PIL import Image
 from tqdm import tqdm
 
 import rewards
-from sde import sde_step
+from sde import sde_step, shift_sigmas
 
 
 @dataclass
@@ -67,8 +67,8 @@ class Args:
     """LoRA rank on the 8 joint-attention projections of every block"""
     lora_alpha: int = 64
     """LoRA alpha (scale = alpha / rank)"""
-    max_sequence_length: int = 128
-    """T5 tokens per prompt (upstream: 128)"""
+    max_sequence_length: int = 256
+    """T5 tokens per prompt (the port: diffusers' default 256)"""
     # ---- data and reward ----
     train_prompts: str = "prompts/train.txt"
     """training prompts: one per line, or JSONL with a `prompt` field (other fields are passed to the reward)"""
@@ -84,7 +84,7 @@ class Args:
     resolution: int = 512
     """image height and width in pixels"""
     num_steps: int = 10
-    """Euler ODE steps per rollout (their sigma grid is also the training timestep grid)"""
+    """Euler ODE steps per rollout on `sigma_grid` (the grid, but its final 0, is also the training timestep grid)"""
     eval_num_steps: int = 40
     """Euler ODE steps for eval"""
     guidance_scale: float = 1.0
@@ -109,8 +109,10 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
-    ema_decay: float = 0.9
-    """EMA decay of the LoRA weights used for eval and the saved `ema` LoRA (0 disables)"""
+    ema_decay: float = 0.995
+    """EMA decay (power warm-up min(d, (1+n)/(10+n))) of the LoRA used for eval and the saved `ema` LoRA (0 disables)"""
+    ema_every: int = 10
+    """update the EMA once every N epochs, n = epoch (the port); 0 = after every optimizer step, n = optimizer steps"""
     # ---- algorithm ----
     crd_beta: float = 1.0
     """scale of the implicit reward in the regression crd_beta (r - r_mean) ~ (a - a_mean)"""
@@ -131,7 +133,7 @@ class Args:
     reward_adaptive_kl: bool = True
     """weight each sample's KL by c_min + a (1 - c_min), c_min = 1e-4 / kl_beta: good samples stay near the teacher"""
     num_train_timesteps: int = 20
-    """training timesteps per sample and epoch, stratified over the eligible rollout grid (shared by the micro-batch)"""
+    """training timesteps per micro-batch (shared by its samples), continuous strata over the eligible grid points"""
     timestep_range: float = 0.99
     """train on rollout-grid sigmas >= 1 - timestep_range"""
     adv_clip: float = 5.0
@@ -199,6 +201,13 @@ def blend_snapshot(snapshot: list[torch.Tensor], params: list[torch.Tensor], dec
     decay = min(max(decay, 0.0), 1.0)  # exact in floating point at 0 (x 0 + p) and 1 (s + 0 p)
     for s, p in zip(snapshot, params):
         s.mul_(decay).add_(p.detach(), alpha=1 - decay)
+
+
+def sigma_grid(num_steps: int, shift: float) -> torch.Tensor:
+    """(T+1,) grid of the port: SD3's shift of linspace(1, 1/T, T), then 0 (Flow-Factory scheduler/
+    flow_match_euler_discrete.py::set_scheduler_timesteps). T = 10, shift 3: 1.0, 0.964, ..., 0.4286, 0.25, 0."""
+    u = torch.linspace(1, 1 / num_steps, num_steps, dtype=torch.float64)
+    return torch.cat([shift_sigmas(u, shift), u.new_zeros(1)]).float()
 
 
 def train_timestep_indices(num_eligible: int, num_train: int, generator: torch.Generator) -> torch.Tensor:
@@ -501,11 +510,12 @@ if __name__ == "__main__":
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     latent_shape = (transformer.config.in_channels, args.resolution // pipe.vae_scale_factor,
                     args.resolution // pipe.vae_scale_factor)
-    pipe.scheduler.set_timesteps(args.num_steps, device=device)
-    sigmas = pipe.scheduler.sigmas.float()  # (T+1,) from 1 to 0, SD3's shifted schedule
+    sigmas = sigma_grid(args.num_steps, pipe.scheduler.config.shift).to(device)  # (T+1,) the port's grid, 1 to 0
     train_sigmas = sigmas[:-1][sigmas[:-1] >= 1 - args.timestep_range]  # (n,) training timesteps, sigma 1 always in
-    pipe.scheduler.set_timesteps(args.eval_num_steps, device=device)
-    eval_sigmas = pipe.scheduler.sigmas.float()
+    eval_sigmas = sigma_grid(args.eval_num_steps, pipe.scheduler.config.shift).to(device)
+    if rank == 0 and args.num_train_timesteps > len(train_sigmas):
+        print(f"note: --num-train-timesteps {args.num_train_timesteps} > {len(train_sigmas)} eligible grid points "
+              f"{[round(x, 4) for x in train_sigmas.tolist()]}: each is trained several times per micro-batch")
     with torch.no_grad():
         neg = encode(pipe, [""], device, args.max_sequence_length)  # empty prompt: eval CFG and the CFG KL teacher
     reward_fn = rewards.build_reward(args.reward, device=device)
@@ -655,10 +665,10 @@ if __name__ == "__main__":
                 scaler.update()
                 optimizer.zero_grad(set_to_none=True)
                 global_step += 1
-                decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))  # upstream EMA warm-up
-                with torch.no_grad():
-                    for e, p in zip(ema_params, lora_params):
-                        e.mul_(decay).add_(p.detach(), alpha=1 - decay)
+                if args.ema_every == 0 or args.ema_decay == 0:  # per optimizer step (decay 0: EMA = live weights)
+                    blend_snapshot(ema_params, lora_params, min(args.ema_decay, (1 + global_step) / (10 + global_step)))
+        if args.ema_decay > 0 and args.ema_every > 0 and (epoch + 1) % args.ema_every == 0:  # Flow-Factory crd.py
+            blend_snapshot(ema_params, lora_params, min(args.ema_decay, (1 + epoch) / (10 + epoch)))  # ema_step(epoch)
 
         # ---- SNAPSHOTS: old, then sampling <- decay snapshot + (1 - decay) current, decays from optimizer steps ----
         old_decay, sampling_decay = (snapshot_decay(global_step, s) for s in (args.old_decay, args.sampling_decay))
