@@ -1,9 +1,8 @@
-"""Centered Reward Distillation (CRD) on Stable Diffusion 3.5 Medium: forward-process RL that regresses a centered
-implicit reward onto the centered external reward.
-
-Paper: arXiv:2603.14128. Upstream: the paper author's port, X-GenGroup/Flow-Factory trainers/crd.py (CRDTrainer).
-Rollouts come from a "sampling" LoRA snapshot; r_theta = flow-matching-error gap of the current LoRA to an "old"
-snapshot; KL to the base model with CFG. Defaults = paper Table 3 (OCR), as mapped in the port's PR #121:
+"""Centered Reward Distillation (CRD, arXiv:2603.14128) on Stable Diffusion 3.5 Medium: forward-process RL that
+regresses a centered implicit reward onto the centered external reward. Upstream: the paper author's port,
+X-GenGroup/Flow-Factory trainers/crd.py (CRDTrainer). Rollouts come from a "sampling" LoRA snapshot; r_theta =
+flow-matching-error gap of the current LoRA to an "old" snapshot; KL to the base model with CFG. Defaults = paper
+Table 3 (OCR), as mapped in the port's PR #121:
     torchrun --nproc_per_node 8 crd_sd35.py --kl-beta 0.1 --train-prompts ocr/train.txt --test-prompts ocr/test.txt
 One-minute CPU demo on a tiny random model:
     python tests/tiny.py /tmp/tiny && python crd_sd35.py --model /tmp/tiny/tiny-sd3 --train-prompts tests/assets/ocr_prompts.txt \
@@ -158,10 +157,8 @@ ERROR_FLOOR, KL_FLOOR = 1e-5, 1e-4  # port: clamp of the adaptive mean |error|; 
 # Algorithm: advantages, snapshot schedules, implicit reward, centered loss, KL
 # ---------------------------------------------------------------------------------------------------------------
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, per_group_std: bool, eps: float = 1e-4):
-    """(reward - its group's mean) / (std + eps), std over all rewards (upstream `global_std`) or within the group.
-
-    rewards, group_ids: (N,). Population std as upstream's np.std. A group whose rewards are all equal gets zeros.
-    """
+    """(reward - its group's mean) / (std + eps), std over all rewards (upstream `global_std`) or within the group;
+    rewards, group_ids: (N,). Population std as upstream's np.std. A group whose rewards are all equal gets zeros."""
     rewards = rewards.double()
     n_groups = int(group_ids.max()) + 1
     count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, torch.ones_like(rewards))
@@ -190,8 +187,7 @@ def snapshot_decay(step: int, spec: str) -> float:
     number = r"(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"  # 1e-3 has a dash of its own
     match = re.fullmatch(rf"(\d+)-{number}-{number}-{number}", spec.strip())
     if match is None:
-        raise ValueError(f"decay schedule {spec!r} is not 'S-v0-k-vmax' (four non-negative numbers, S an integer "
-                         "optimizer step), e.g. '75-0.0-0.0075-0.999'")
+        raise ValueError(f"decay schedule {spec!r} is not 'S-v0-k-vmax' (S an integer), e.g. '75-0.0-0.0075-0.999'")
     start, v0, slope, vmax = int(match[1]), float(match[2]), float(match[3]), float(match[4])
     return v0 if step < start else min(v0 + (step - start) * slope, vmax)
 
@@ -204,8 +200,7 @@ def blend_snapshot(snapshot: list[torch.Tensor], params: list[torch.Tensor], dec
 
 
 def sigma_grid(num_steps: int, shift: float) -> torch.Tensor:
-    """(T+1,) grid of the port: SD3's shift of linspace(1, 1/T, T), then 0 (Flow-Factory scheduler/
-    flow_match_euler_discrete.py::set_scheduler_timesteps). T = 10, shift 3: 1.0, 0.964, ..., 0.4286, 0.25, 0."""
+    """(T+1,) the port's grid: SD3's shift of linspace(1, 1/T, T), then 0 (Flow-Factory set_scheduler_timesteps)."""
     u = torch.linspace(1, 1 / num_steps, num_steps, dtype=torch.float64)
     return torch.cat([shift_sigmas(u, shift), u.new_zeros(1)]).float()
 
@@ -221,8 +216,7 @@ def crd_implicit_reward(v, v_old, target, adaptive: bool = True) -> torch.Tensor
     (B, ...); w = detached per-sample mean |e| clamped >= 1e-5 if `adaptive`, else 1. Grad through v (port: step 4)."""
     dims = tuple(range(1, v.dim()))
     err, err_old = v.double() - target.double(), v_old.detach().double() - target.double()
-    w, w_old = (e.detach().abs().mean(dim=dims, keepdim=True).clamp_min(ERROR_FLOOR) if adaptive else 1.0
-                for e in (err, err_old))
+    w, w_old = (e.detach().abs().mean(dims, True).clamp_min(ERROR_FLOOR) if adaptive else 1.0 for e in (err, err_old))
     return -(err**2 / w - err_old**2 / w_old).mean(dim=dims).float()
 
 
@@ -235,10 +229,8 @@ def crd_loss(r_theta, a, group_ids, crd_beta: float = 1.0, weight_temp: float = 
         member = group_ids == g
         r, ag = r_theta[member], a[member].to(r_theta.dtype)
         uniform = torch.full_like(ag, 1 / len(ag))
-        if weight_temp < 0:
-            weights = [uniform]
-        elif weight_temp > 0:
-            weights = [torch.softmax(ag / weight_temp, dim=0), torch.softmax(-ag / weight_temp, dim=0)]
+        if weight_temp != 0:  # uniform (< 0), or two softmax centerings (> 0)
+            weights = [uniform] if weight_temp < 0 else [torch.softmax(x / weight_temp, dim=0) for x in (ag, -ag)]
         else:  # hard pools split at a = 0.5 (the raw advantage's sign); the port splits the mapped a at 0 (degenerate)
             weights = [torch.softmax(ag.masked_fill(~pool, -math.inf), dim=0) if pool.any() else uniform
                        for pool in (ag > 0.5, ag < 0.5)]
@@ -629,15 +621,13 @@ if __name__ == "__main__":
                     v = predict_velocity(transformer, xt, t, embeds, pooled, *neg, args.guidance_scale)
                 r_local = crd_implicit_reward(v, v_old, target, args.adaptive_logp)  # (B,)
                 r_step = all_gather_cat(r_local.detach(), world).index_copy(0, mine, r_local)  # (W*B,), own with grad
-                policy_loss = crd_loss(r_step, step_a[b], step_groups[b], args.crd_beta, args.weight_temp,
-                                       args.adv_clip)
+                policy_loss = crd_loss(r_step, step_a[b], step_groups[b], args.crd_beta, args.weight_temp, args.adv_clip)
                 kl_loss = torch.zeros((), device=device)
                 if args.kl_beta > 0:
                     kl_loss, kl = crd_kl(v, v_teacher, step_a[b, mine], args.kl_beta, args.reward_adaptive_kl)
                     stats["kl"].append(kl.mean().item())
                     stats["old_kl"].append(((v_old - v_teacher) ** 2).mean().item())  # old vs the teacher
-                # only this rank's B of the W*B loss terms carry gradient: x world makes the rank-averaged
-                # gradient that of the gathered mean (the port's per-rank mean over local samples)
+                # only this rank's B of the W*B terms carry gradient: x world = the gathered mean's (port: rank mean)
                 scaler.scale((world * policy_loss + kl_loss) / accum).backward()
                 if micro == 0:  # r_theta is exactly 0 while old == current (the first epoch, or old decay <= 0)
                     first_r_theta = r_local.abs().max().item()
