@@ -439,8 +439,8 @@ if __name__ == "__main__":
     if args.resolution % (2 * pipe.vae_scale_factor):
         fail(f"--resolution {args.resolution} is not a multiple of {2 * pipe.vae_scale_factor} (VAE x 2x2 packing)")
     torch.manual_seed(args.seed)
-    transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian",
-                                       target_modules=LORA_TARGETS))
+    transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights=True,
+                                       target_modules=LORA_TARGETS))  # peft's default (Kaiming-uniform A), as upstream
     lora_params = [p for p in transformer.parameters() if p.requires_grad]
     for p in lora_params:
         p.data = p.data.float()

@@ -120,6 +120,8 @@ class Args:
     """gradient-norm clip"""
     ema_decay: float = 0.9
     """EMA decay of the LoRA weights used for eval and the saved `ema` LoRA (0 disables)"""
+    ema_interval: int = 8
+    """EMA stepped after every micro-batch, moving only while (optimizer steps + 1) % N == 0 (upstream); 0 = per step"""
     # ---- algorithm ----
     clip_range: float = 1e-4
     """PPO clip on the ratio of mean-over-elements log-probs (sde.py), hence tiny"""
@@ -631,6 +633,10 @@ if __name__ == "__main__":
                 scaler.update()
                 optimizer.zero_grad(set_to_none=True)
                 global_step += 1
+            # EMA as upstream (flow_grpo ema.py, update_step_interval 8, stepped per micro-batch by train_sd3.py):
+            # it moves once per micro-batch while (global_step + 1) % 8 == 0; --ema-interval 0: per optimizer step
+            per_step = args.ema_interval == 0 or args.ema_decay == 0  # decay 0: the EMA is the live weights
+            if micro % accum == 0 if per_step else (global_step + 1) % args.ema_interval == 0:
                 decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))  # upstream EMA warm-up
                 with torch.no_grad():
                     for e, p in zip(ema_params, lora_params):

@@ -160,6 +160,19 @@ def test_one_process_run(one_process_run):
     assert metrics[-1]["charts/global_step"] == 4  # 2 epochs x --updates-per-epoch 2
 
 
+def test_lora_starts_from_peft_default_init(one_process_run):
+    """A: Kaiming-uniform in +-1/sqrt(fan_in) (peft's default, upstream train_grpo_flux_lora.py), std 1/sqrt(3 fan_in);
+    "gaussian" would give std 1/rank. A few small AdamW steps later the spread is still the init's."""
+    from safetensors.torch import load_file
+
+    lora = load_file(one_process_run / "checkpoints" / "epoch_00001" / "lora" / "pytorch_lora_weights.safetensors")
+    a_mats = [t for k, t in lora.items() if "lora_A" in k]
+    assert a_mats
+    for a in a_mats:
+        bound = 1 / math.sqrt(a.shape[1])
+        assert a.abs().max() <= bound + 0.01 and a.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.25)
+
+
 def test_resume_matches_uninterrupted_run(tiny_flux, tmp_path, one_process_run):
     first = run_script(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path / "a") + ["--epochs", "1"])
     resumed = run_script(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path / "b") + [

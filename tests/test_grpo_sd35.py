@@ -195,6 +195,19 @@ def test_one_process_run(one_process_run):
         assert m["losses/on_policy_ratio_dev"] < 1e-3
         assert math.isfinite(m["losses/kl"]) and math.isfinite(m["losses/approx_kl"])
     assert metrics[1]["losses/kl"] > 0  # after one update the LoRA moved away from the base model
+    ema = torch.load(one_process_run / "checkpoints" / "epoch_00002" / "state.pt", map_location="cpu")["ema"]
+    assert all(e.abs().sum() == 0 for e in ema[1::2])  # 4 optimizer steps < upstream's interval 8: EMA B still 0
+
+
+def test_ema_moves_per_micro_batch_at_upstreams_interval(tiny_sd3, tmp_path):
+    # 2 micro-batches per optimizer step, interval 2: the EMA moves after the micro-batches that see global_step = 1,
+    # i.e. twice with the weights after step 1 (end of epoch 0, start of epoch 1), each with decay min(0.9, 2 / 11)
+    run_dir = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path) + ["--epochs", "2", "--updates-per-epoch", "1",
+                                                                        "--ema-interval", "2", "--kl-beta", "0"])
+    step1 = lora_tensors(run_dir / "checkpoints" / "epoch_00001")
+    ema = torch.load(run_dir / "checkpoints" / "epoch_00002" / "state.pt", map_location="cpu")["ema"]
+    assert all(torch.allclose(e, (1 - (2 / 11) ** 2) * p, atol=1e-7) for e, p in zip(ema[1::2], step1[1::2]))
+    assert not torch.equal(step1[1], lora_tensors(run_dir / "checkpoints" / "epoch_00002")[1])  # step 2 moved on
 
 
 def test_resume_matches_uninterrupted_run(tiny_sd3, tmp_path, one_process_run):
