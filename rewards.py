@@ -595,8 +595,10 @@ def serve(serve: str, host: str = "127.0.0.1", port: int = 18090, token: str = "
     Args:
         host: address to bind: loopback by default; 0.0.0.0 opens the server to the network (set a token then).
         token: shared secret every request must carry (default $REWARD_SERVER_TOKEN, which keeps it out of ps).
-        max_body_mb: largest request body accepted (MiB); max_images: most images per request; max_pixels: most
-            pixels (width x height) of one image; timeout: seconds a client may take to send its request.
+        max_body_mb: largest request body accepted (MiB).
+        max_images: most images in one request.
+        max_pixels: most pixels (width x height) of one image.
+        timeout: seconds a client may take to send its request.
     """
     token = token or os.environ.get("REWARD_SERVER_TOKEN", "")
     server = make_server(serve, host, port, device, token, max_body_mb, max_images, max_pixels, timeout)
