@@ -545,8 +545,8 @@ def make_server(spec: str, host: str = "127.0.0.1", port: int = 18090, device="c
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
-            self.send_header("Connection", "keep-alive" if status == 200 else "close")
-            self.close_connection = self.close_connection or status != 200
+            self.send_header("Connection", "close")  # HTTP/1.0: one request per connection
+            self.close_connection = True
             self.end_headers()
             self.wfile.write(body)
 
