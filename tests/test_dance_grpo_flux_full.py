@@ -167,4 +167,4 @@ def test_full_finetune_bad_input(tiny_flux, tmp_path, full_run):
     config = {"_class_name": "FluxTransformer2DModel", "num_layers": 100, "num_single_layers": 200,
               "guidance_embeds": True}  # the rest: FLUX.1-dev's widths (the class defaults)
     (big / "transformer" / "config.json").write_text(json.dumps(config))
-    assert_bad_input(SCRIPT, base + ["--model", str(big)], "shard it over GPUs with torchrun")
+    assert_bad_input(SCRIPT, base + ["--model", str(big)], "GB (fp32 weights+grads+AdamW)")
