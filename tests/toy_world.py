@@ -5,7 +5,7 @@ yellow, green, blue) and one shape (square, triangle), captioned like GenEval's 
 squares"). 6 of the 24 (count, color, shape) combinations are held out as test prompts. tests/toy_rewards.py:counting
 scores an image 1 when the detector finds exactly what the prompt asks for.
 
-    python tests/toy_world.py OUT_DIR     # trains OUT_DIR/toy-sd3 and OUT_DIR/toy-flux from scratch (13 min, 2 busy cores)
+    python tests/toy_world.py OUT_DIR     # OUT_DIR/toy-sd3, OUT_DIR/toy-flux from scratch (13 min, 2 busy cores)
 
 The committed copies live in tests/assets/toy-sd3 and tests/assets/toy-flux (prompt files next to them), so tests,
 benchmarks and the demo never train. Both pipelines reuse tests/tiny.py's random text encoders and tokenizers (CLIP
