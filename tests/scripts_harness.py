@@ -82,7 +82,8 @@ def toy_flags(model: str, out, steps: int = 6) -> list[str]:
 
 def assert_accuracy_rose(metrics: list[dict], min_gain: float):
     """Held-out exact accuracy after training beats the base model's by min_gain. Eval is a deterministic ODE from
-    noise fixed per test line, so a run that changes nothing gains exactly 0; min_gain is set from measured seed noise."""
+    noise fixed per test line, so a run that changes nothing gains exactly 0; set min_gain from measured seed
+    noise."""
     gain = metrics[-1]["eval/final_reward_mean"] - metrics[0]["eval/reward_mean"]
     assert gain >= min_gain, (metrics[0]["eval/reward_mean"], metrics[-1]["eval/final_reward_mean"])
 

@@ -76,7 +76,8 @@ def render(prompt: str, seed: int, size: int = RESOLUTION) -> np.ndarray:
 
 def render_batch(prompts: list[str], seeds) -> torch.Tensor:
     """(B, 3, H, W) float images in [0, 1]."""
-    return torch.stack([torch.from_numpy(render(p, int(s)).copy()).permute(2, 0, 1) for p, s in zip(prompts, seeds)]) / 255
+    images = [torch.from_numpy(render(p, int(s)).copy()).permute(2, 0, 1) for p, s in zip(prompts, seeds)]
+    return torch.stack(images) / 255
 
 
 def write_prompt_files(out_dir: str = ASSETS, repeats: int = 16):
@@ -158,7 +159,7 @@ def train_transformer(transformer, forward, embeds, pooled, vae, steps: int, bat
 
 @torch.no_grad()
 def accuracy(transformer, forward, embeds, pooled, neg, vae, prompts, steps: int = 10, guidance: float = 4.5) -> float:
-    """Held-out exact accuracy (toy_rewards.counting) of CFG Euler samples on the shift-3 grid, noise seeded by index."""
+    """Exact accuracy (toy_rewards.counting) of CFG Euler samples on the shift-3 grid, noise seeded by index."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn((len(prompts), 4, RESOLUTION // 4, RESOLUTION // 4), generator=gen)
     t = torch.linspace(1, 0, steps + 1)
@@ -251,14 +252,16 @@ def build(out_dir: str, vae_steps: int = 900, transformer_steps: int = 1000, bat
     pipe = FluxPipeline(transformer=transformer, vae=vae, scheduler=scheduler, text_encoder=te, tokenizer=tok,
                         text_encoder_2=tiny.t5_encoder(len(tok2)), tokenizer_2=tok2)
     with torch.no_grad():
-        embeds, pooled, text_ids = pipe.encode_prompt(train + [""] + test, None, max_sequence_length=MAX_SEQUENCE_LENGTH)
+        embeds, pooled, text_ids = pipe.encode_prompt(train + [""] + test, None,
+                                                      max_sequence_length=MAX_SEQUENCE_LENGTH)
     half = RESOLUTION // 4 // 2
     rows, cols = torch.meshgrid(torch.arange(half), torch.arange(half), indexing="ij")
     img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
     t1 = time.time()
     forward = flux_forward_fn(img_ids, text_ids)
     train_transformer(transformer, forward, embeds, pooled, vae, transformer_steps, batch, lr, log, "flux")
-    acc = accuracy(transformer, forward, embeds[n:], pooled[n:], (embeds[n - 1], pooled[n - 1]), vae, test, guidance=1.0)
+    acc = accuracy(transformer, forward, embeds[n:], pooled[n:], (embeds[n - 1], pooled[n - 1]), vae, test,
+                   guidance=1.0)
     log(f"flux: held-out accuracy (10 Euler steps, no CFG) {acc:.3f}")
     log(f"flux transformer ({sum(p.numel() for p in transformer.parameters())} params) done in {time.time() - t1:.0f}s")
     flux_path = os.path.join(out_dir, "toy-flux")
