@@ -710,7 +710,7 @@ if __name__ == "__main__":
                 scaler.unscale_(optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, args.max_grad_norm)
                 if not scaler.is_enabled():  # (fp16's scaler skips non-finite steps itself)
-                    check_finite(f"epoch {epoch}, step {global_step}", run_dir, loss=loss, gradient=grad_norm)
+                    check_finite(f"epoch {epoch}, step {global_step}", run_dir, loss=policy_loss + kl_loss, gradient=grad_norm)
                 scaler.step(optimizer)
                 scaler.update()
                 optimizer.zero_grad(set_to_none=True)

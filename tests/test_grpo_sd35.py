@@ -82,9 +82,9 @@ def test_one_process_run(one_process_run):
 
 def test_resume_matches_uninterrupted_run(tiny_sd3, tmp_path, one_process_run):
     first = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path / "a") + ["--epochs", "1", "--kl-beta", "0.04"])
-    resumed = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path / "b") + [
+    resumed = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path / "a") + [
         "--epochs", "2", "--kl-beta", "0.04", "--resume", str(first / "checkpoints" / "epoch_00001")])
-    assert [m["epoch"] for m in read_metrics(resumed)] == [1]
+    assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]  # continues its run dir
     want = lora_tensors(one_process_run / "checkpoints" / "epoch_00002")
     got = lora_tensors(resumed / "checkpoints" / "epoch_00002")
     assert all(torch.allclose(w, g, atol=1e-6) for w, g in zip(want, got))
