@@ -14,7 +14,6 @@ import glob
 import json
 import math
 import os
-import re
 import resource
 import shutil
 import sys
@@ -192,34 +191,32 @@ def fail(msg: str):
 
 def check_args(args) -> dict | None:
     """Checks that need no weights (sizes, config files, wandb login, --resume); returns the checkpoint's state."""
-    for name in ("epochs", "batch_size", "eval_batch_size", "train_batch_size", "updates_per_epoch", "eval_every",
-                 "save_every", "group_size", "prompts_per_epoch", "num_steps", "eval_num_steps", "lora_rank"):
-        if getattr(args, name, 1) < 1:
-            fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.learning_rate < 0:
-        fail(f"--learning-rate must be >= 0, got {args.learning_rate}")
-    if not os.path.exists(args.model) and not re.fullmatch(r"[\w.-]+/[\w.-]+", args.model):
-        fail(f"model {args.model!r} is neither an existing local path nor a hub id like 'org/name'")
+    bad = [n for n in ("epochs", "batch_size", "eval_batch_size", "train_batch_size", "updates_per_epoch", "eval_every",
+                       "save_every", "group_size", "prompts_per_epoch", "num_steps", "eval_num_steps", "lora_rank")
+           if getattr(args, n, 1) < 1] + ["learning_rate"] * (args.learning_rate < 0)
+    if bad:
+        fail(f"--{bad[0].replace('_', '-')} must be {'>= 0' if bad[0] == 'learning_rate' else '>= 1'}, got "
+             f"{getattr(args, bad[0])}")
     try:  # the small config files give the resolution's factor before the weights load
-        local = os.path.exists(args.model)
-        vae, dit = (json.load(open(os.path.join(args.model, f) if local else hf_hub_download(args.model, f)))
-                    for f in ("vae/config.json", "transformer/config.json"))
+        files = ("vae/config.json", "transformer/config.json")
+        vae, dit = (json.load(open(os.path.join(args.model, f) if os.path.exists(args.model) else
+                                   hf_hub_download(args.model, f))) for f in files)
     except Exception as e:
-        fail(f"cannot read the config files of --model {args.model!r} ({type(e).__name__})")
+        fail(f"model {args.model!r} is neither an existing local path nor a hub id like 'org/name' with vae/ and "
+             f"transformer/ config.json ({type(e).__name__})")
     factor = 2 ** (len(vae["block_out_channels"]) - 1) * dit.get("patch_size", 1)
     if args.resolution < 1 or args.resolution % factor:
         fail(f"--resolution {args.resolution} is not a multiple of {factor} (VAE downsampling x patch size)")
     if args.track and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
         import wandb
-
         if not wandb.login(prompt=False):
             fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), or WANDB_MODE=offline")
     if not args.resume:
         return None
-    if os.path.basename(os.path.abspath(args.resume)).startswith(".") or not os.path.isfile(
-            os.path.join(args.resume, "state.pt")):
+    path = os.path.join(args.resume, "state.pt")
+    if os.path.basename(os.path.abspath(args.resume)).startswith(".") or not os.path.isfile(path):
         fail(f"--resume {args.resume!r} is not a checkpoint directory (no state.pt; hidden ones are unfinished saves)")
-    state = torch.load(os.path.join(args.resume, "state.pt"), map_location="cpu")
+    state = torch.load(path, map_location="cpu")
     for flag in STATE_FLAGS:
         if state["args"][flag] != getattr(args, flag):
             fail(f"--{flag.replace('_', '-')} {getattr(args, flag)!r} differs from the checkpoint's "
@@ -288,9 +285,7 @@ def predict_velocity(transformer, x, sigma, embeds, pooled, neg_embeds, neg_pool
         pooled = torch.cat([neg_pooled.expand_as(pooled), pooled])
     v = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds,
                     pooled_projections=pooled, return_dict=False)[0].float()
-    if not cfg:
-        return v
-    v_uncond, v_cond = v.chunk(2)
+    v_uncond, v_cond = v.chunk(2) if cfg else (v, v)
     return v_uncond + guidance_scale * (v_cond - v_uncond)
 
 
@@ -411,11 +406,8 @@ def prepare_run_dir(run_dir: str, start_epoch: int):
 
 def rank_mean(values: dict[str, float], world: int, device) -> dict[str, float]:
     """The mean of each value over ranks (logged stats are the whole run's, not rank 0's)."""
-    if world == 1:
-        return values
-    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return dict(zip(values, (t / world).tolist()))
+    stacked = all_gather_cat(torch.tensor([list(values.values())], dtype=torch.float64, device=device), world)
+    return dict(zip(values, stacked.mean(0).tolist()))
 
 
 def check_finite(where: str, run_dir: str, **values):
@@ -488,8 +480,7 @@ if __name__ == "__main__":
     scaler = torch.amp.GradScaler(device.type, enabled=args.mixed_precision == "fp16")
     ema_params = [p.detach().clone() for p in lora_params]
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    latent_shape = (transformer.config.in_channels, args.resolution // pipe.vae_scale_factor,
-                    args.resolution // pipe.vae_scale_factor)
+    latent_shape = (transformer.config.in_channels, *[args.resolution // pipe.vae_scale_factor] * 2)
     pipe.scheduler.set_timesteps(args.num_steps, device=device)
     sigmas = pipe.scheduler.sigmas.float()  # (T+1,) from 1 to 0, SD3's shifted schedule
     pipe.scheduler.set_timesteps(args.eval_num_steps, device=device)
@@ -509,7 +500,6 @@ if __name__ == "__main__":
         prepare_run_dir(run_dir, start_epoch)
     if args.track and rank == 0:
         import wandb
-
         wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=os.path.basename(run_dir),
                    config=vars(args), save_code=True)
 
