@@ -148,12 +148,12 @@ class Args:
     anchor_decay_rate: float = 0.001
     """slope of the anchor decay in optimizer steps (upstream kl_ema_decay_type='linear')"""
     # ---- logging, eval, checkpoints ----
-    eval_every: int = 50
-    """evaluate every N epochs (and after the last)"""
+    eval_every: int = 20
+    """evaluate every N epochs (and after the last; upstream OCR config: 20, GenEval / PickScore: 50)"""
     eval_sheet_size: int = 16
     """images of the first eval prompts in the contact sheet"""
-    save_every: int = 50
-    """checkpoint every N epochs (and after the last)"""
+    save_every: int = 20
+    """checkpoint every N epochs (and after the last; upstream OCR config: 20, GenEval / PickScore: 50)"""
 
 
 LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
@@ -240,12 +240,11 @@ def stratified_timestep_indices(num_steps: int, k: int, fraction: float, time_ty
 def sa_solver_rollout(transformer, scheduler, noise, sigmas, tau: float, tau_window, embeds, pooled, neg_embeds,
                       neg_pooled, guidance_scale, autocast, generator) -> torch.Tensor:
     """SA-Solver (arXiv:2309.05019) from noise to the clean latent x0 (B, C, h, w), fp32, one model call per step.
-
-    `scheduler`: diffusers' SASolverScheduler in flow mode. Its own flow grid never reaches sigma = 0 (its last step
-    has zero length), so it runs on upstream's grid (sd3_pipeline_with_logprob.py): SD3's `sigmas` (T+1,) without the
-    final 0, first point 1 - 1e-3, last point halved; the last call's x - sigma v is the sample (`denoise_to_zero`).
-    A step into sigma' uses tau if sigma' is in tau_window (as upstream; diffusers' tau_func sees the step's source).
-    Known difference: diffusers already corrects the second point, upstream skips that first corrector."""
+    `scheduler`: diffusers' SASolverScheduler in flow mode, run on upstream's grid (its own never reaches sigma = 0;
+    sd3_pipeline_with_logprob.py): SD3's `sigmas` (T+1,) without the final 0, first point 1 - 1e-3, last point halved;
+    the last call's x - sigma v is the sample (`denoise_to_zero`). A step into sigma' uses tau if sigma' is in
+    tau_window (as upstream; diffusers' tau_func sees the step's source). The second point is not corrected (upstream
+    sa_solver.py SASolver.sample: disable_first_corrector)."""
     grid = sigmas[:-1].clone()  # (T,)
     grid[0], grid[-1] = SA_SOLVER_T_START, grid[-2] / 2
     scheduler.set_timesteps(len(grid))  # resets the multistep history
@@ -259,6 +258,7 @@ def sa_solver_rollout(transformer, scheduler, noise, sigmas, tau: float, tau_win
             v = predict_velocity(transformer, x, sigma, embeds, pooled, neg_embeds, neg_pooled, guidance_scale)
         if i == len(grid) - 1:
             return x - sigma * v
+        scheduler.last_sample = None if i == 1 else scheduler.last_sample  # then diffusers skips the first corrector
         x = scheduler.step(v, scheduler.timesteps[i], x, generator=generator, return_dict=False)[0].float()
 
 
@@ -492,11 +492,9 @@ def rank_mean(values: dict[str, float], world: int, device) -> dict[str, float]:
 
 def check_finite(where: str, run_dir: str, **values):
     """Stop with one line naming the first non-finite value (reward, advantage, loss, gradient) and last checkpoint."""
-    for name, value in values.items():
-        if not torch.isfinite(torch.as_tensor(value)).all():
-            last = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
-            fail(f"non-finite {name} at {where}; stopping. " + (f"The last checkpoint is {last[-1]}" if last
-                                                                 else "No checkpoint was saved yet"))
+    for name in [k for k, v in values.items() if not torch.isfinite(torch.as_tensor(v)).all()][:1]:
+        last = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))[-1:] or ["none saved yet"]
+        fail(f"non-finite {name} at {where}; stopping. Last checkpoint: {last[0]}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,8 @@
-"""Centered Reward Distillation (CRD) on Stable Diffusion 3.5 Medium: forward-process RL that regresses a centered
-implicit reward onto the centered external reward.
-
-Paper: arXiv:2603.14128. Upstream: the paper author's port, X-GenGroup/Flow-Factory trainers/crd.py (CRDTrainer).
-Rollouts come from a "sampling" LoRA snapshot; r_theta = flow-matching-error gap of the current LoRA to an "old"
-snapshot; KL to the base model with CFG. Defaults = paper Table 3 (OCR), as mapped in the port's PR #121:
+"""Centered Reward Distillation (CRD, arXiv:2603.14128) on Stable Diffusion 3.5 Medium: forward-process RL that
+regresses a centered implicit reward onto the centered external reward. Upstream: the paper author's port,
+X-GenGroup/Flow-Factory trainers/crd.py (CRDTrainer). Rollouts come from a "sampling" LoRA snapshot; r_theta =
+flow-matching-error gap of the current LoRA to an "old" snapshot; KL to the base model with CFG. Defaults = paper
+Table 3 (OCR), as mapped in the port's PR #121:
     torchrun --nproc_per_node 8 crd_sd35.py --kl-beta 0.1 --train-prompts ocr/train.txt --test-prompts ocr/test.txt
 One-minute CPU demo on a tiny random model:
     python tests/tiny.py /tmp/tiny && python crd_sd35.py --model /tmp/tiny/tiny-sd3 --train-prompts tests/assets/ocr_prompts.txt \
@@ -37,7 +36,7 @@ from PIL import Image
 from tqdm import tqdm
 
 import rewards
-from sde import sde_step
+from sde import sde_step, shift_sigmas
 
 
 @dataclass
@@ -70,8 +69,8 @@ class Args:
     """LoRA rank on the 8 joint-attention projections of every block"""
     lora_alpha: int = 64
     """LoRA alpha (scale = alpha / rank)"""
-    max_sequence_length: int = 128
-    """T5 tokens per prompt (upstream: 128)"""
+    max_sequence_length: int = 256
+    """T5 tokens per prompt (the port: diffusers' default 256)"""
     # ---- data and reward ----
     train_prompts: str = "prompts/train.txt"
     """training prompts: one per line, or JSONL with a `prompt` field (other fields are passed to the reward)"""
@@ -87,7 +86,7 @@ class Args:
     resolution: int = 512
     """image height and width in pixels"""
     num_steps: int = 10
-    """Euler ODE steps per rollout (their sigma grid is also the training timestep grid)"""
+    """Euler ODE steps per rollout on `sigma_grid` (the grid, but its final 0, is also the training timestep grid)"""
     eval_num_steps: int = 40
     """Euler ODE steps for eval"""
     guidance_scale: float = 1.0
@@ -112,8 +111,10 @@ class Args:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
-    ema_decay: float = 0.9
-    """EMA decay of the LoRA weights used for eval and the saved `ema` LoRA (0 disables)"""
+    ema_decay: float = 0.995
+    """EMA decay (power warm-up min(d, (1+n)/(10+n))) of the LoRA used for eval and the saved `ema` LoRA (0 disables)"""
+    ema_every: int = 10
+    """update the EMA once every N epochs, n = epoch (the port); 0 = after every optimizer step, n = optimizer steps"""
     # ---- algorithm ----
     crd_beta: float = 1.0
     """scale of the implicit reward in the regression crd_beta (r - r_mean) ~ (a - a_mean)"""
@@ -134,7 +135,7 @@ class Args:
     reward_adaptive_kl: bool = True
     """weight each sample's KL by c_min + a (1 - c_min), c_min = 1e-4 / kl_beta: good samples stay near the teacher"""
     num_train_timesteps: int = 20
-    """training timesteps per sample and epoch, stratified over the eligible rollout grid (shared by the micro-batch)"""
+    """training timesteps per micro-batch (shared by its samples), continuous strata over the eligible grid points"""
     timestep_range: float = 0.99
     """train on rollout-grid sigmas >= 1 - timestep_range"""
     adv_clip: float = 5.0
@@ -160,10 +161,8 @@ ERROR_FLOOR, KL_FLOOR = 1e-5, 1e-4  # port: clamp of the adaptive mean |error|; 
 # Algorithm: advantages, snapshot schedules, implicit reward, centered loss, KL
 # ---------------------------------------------------------------------------------------------------------------
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, per_group_std: bool, eps: float = 1e-4):
-    """(reward - its group's mean) / (std + eps), std over all rewards (upstream `global_std`) or within the group.
-
-    rewards, group_ids: (N,). Population std as upstream's np.std. A group whose rewards are all equal gets zeros.
-    """
+    """(reward - its group's mean) / (std + eps), std over all rewards (upstream `global_std`) or within the group;
+    rewards, group_ids: (N,). Population std as upstream's np.std. A group whose rewards are all equal gets zeros."""
     rewards = rewards.double()
     n_groups = int(group_ids.max()) + 1
     count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, torch.ones_like(rewards))
@@ -192,8 +191,7 @@ def snapshot_decay(step: int, spec: str) -> float:
     number = r"(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"  # 1e-3 has a dash of its own
     match = re.fullmatch(rf"(\d+)-{number}-{number}-{number}", spec.strip())
     if match is None:
-        raise ValueError(f"decay schedule {spec!r} is not 'S-v0-k-vmax' (four non-negative numbers, S an integer "
-                         "optimizer step), e.g. '75-0.0-0.0075-0.999'")
+        raise ValueError(f"decay schedule {spec!r} is not 'S-v0-k-vmax' (S an integer), e.g. '75-0.0-0.0075-0.999'")
     start, v0, slope, vmax = int(match[1]), float(match[2]), float(match[3]), float(match[4])
     return v0 if step < start else min(v0 + (step - start) * slope, vmax)
 
@@ -203,6 +201,12 @@ def blend_snapshot(snapshot: list[torch.Tensor], params: list[torch.Tensor], dec
     decay = min(max(decay, 0.0), 1.0)  # exact in floating point at 0 (x 0 + p) and 1 (s + 0 p)
     for s, p in zip(snapshot, params):
         s.mul_(decay).add_(p.detach(), alpha=1 - decay)
+
+
+def sigma_grid(num_steps: int, shift: float) -> torch.Tensor:
+    """(T+1,) the port's grid: SD3's shift of linspace(1, 1/T, T), then 0 (Flow-Factory set_scheduler_timesteps)."""
+    u = torch.linspace(1, 1 / num_steps, num_steps, dtype=torch.float64)
+    return torch.cat([shift_sigmas(u, shift), u.new_zeros(1)]).float()
 
 
 def train_timestep_indices(num_eligible: int, num_train: int, generator: torch.Generator) -> torch.Tensor:
@@ -216,8 +220,7 @@ def crd_implicit_reward(v, v_old, target, adaptive: bool = True) -> torch.Tensor
     (B, ...); w = detached per-sample mean |e| clamped >= 1e-5 if `adaptive`, else 1. Grad through v (port: step 4)."""
     dims = tuple(range(1, v.dim()))
     err, err_old = v.double() - target.double(), v_old.detach().double() - target.double()
-    w, w_old = (e.detach().abs().mean(dim=dims, keepdim=True).clamp_min(ERROR_FLOOR) if adaptive else 1.0
-                for e in (err, err_old))
+    w, w_old = (e.detach().abs().mean(dims, True).clamp_min(ERROR_FLOOR) if adaptive else 1.0 for e in (err, err_old))
     return -(err**2 / w - err_old**2 / w_old).mean(dim=dims).float()
 
 
@@ -230,10 +233,8 @@ def crd_loss(r_theta, a, group_ids, crd_beta: float = 1.0, weight_temp: float = 
         member = group_ids == g
         r, ag = r_theta[member], a[member].to(r_theta.dtype)
         uniform = torch.full_like(ag, 1 / len(ag))
-        if weight_temp < 0:
-            weights = [uniform]
-        elif weight_temp > 0:
-            weights = [torch.softmax(ag / weight_temp, dim=0), torch.softmax(-ag / weight_temp, dim=0)]
+        if weight_temp != 0:  # uniform (< 0), or two softmax centerings (> 0)
+            weights = [uniform] if weight_temp < 0 else [torch.softmax(x / weight_temp, dim=0) for x in (ag, -ag)]
         else:  # hard pools split at a = 0.5 (the raw advantage's sign); the port splits the mapped a at 0 (degenerate)
             weights = [torch.softmax(ag.masked_fill(~pool, -math.inf), dim=0) if pool.any() else uniform
                        for pool in (ag > 0.5, ag < 0.5)]
@@ -481,11 +482,9 @@ def rank_mean(values: dict[str, float], world: int, device) -> dict[str, float]:
 
 def check_finite(where: str, run_dir: str, **values):
     """Stop with one line naming the first non-finite value (reward, advantage, loss, gradient) and last checkpoint."""
-    for name, value in values.items():
-        if not torch.isfinite(torch.as_tensor(value)).all():
-            last = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
-            fail(f"non-finite {name} at {where}; stopping. " + (f"The last checkpoint is {last[-1]}" if last
-                                                                 else "No checkpoint was saved yet"))
+    for name in [k for k, v in values.items() if not torch.isfinite(torch.as_tensor(v)).all()][:1]:
+        last = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))[-1:] or ["none saved yet"]
+        fail(f"non-finite {name} at {where}; stopping. Last checkpoint: {last[0]}")
 
 
 if __name__ == "__main__":
@@ -555,11 +554,12 @@ if __name__ == "__main__":
     sampling_params = [p.detach().clone() for p in lora_params]  # fp32 snapshot that generates the rollouts
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     latent_shape = (transformer.config.in_channels, *[args.resolution // pipe.vae_scale_factor] * 2)
-    pipe.scheduler.set_timesteps(args.num_steps, device=device)
-    sigmas = pipe.scheduler.sigmas.float()  # (T+1,) from 1 to 0, SD3's shifted schedule
+    sigmas = sigma_grid(args.num_steps, pipe.scheduler.config.shift).to(device)  # (T+1,) the port's grid, 1 to 0
     train_sigmas = sigmas[:-1][sigmas[:-1] >= 1 - args.timestep_range]  # (n,) training timesteps, sigma 1 always in
-    pipe.scheduler.set_timesteps(args.eval_num_steps, device=device)
-    eval_sigmas = pipe.scheduler.sigmas.float()
+    eval_sigmas = sigma_grid(args.eval_num_steps, pipe.scheduler.config.shift).to(device)
+    if rank == 0 and args.num_train_timesteps > len(train_sigmas):
+        print(f"note: --num-train-timesteps {args.num_train_timesteps} > {len(train_sigmas)} eligible grid points "
+              f"{[round(x, 4) for x in train_sigmas.tolist()]}: each is trained several times per micro-batch")
     with torch.no_grad():
         neg = encode(pipe, [""], device, args.max_sequence_length)  # empty prompt: eval CFG and the CFG KL teacher
     reward_weights = reward_fn.weights  # {component: weight}
@@ -670,15 +670,13 @@ if __name__ == "__main__":
                     v = predict_velocity(transformer, xt, t, embeds, pooled, *neg, args.guidance_scale)
                 r_local = crd_implicit_reward(v, v_old, target, args.adaptive_logp)  # (B,)
                 r_step = all_gather_cat(r_local.detach(), world).index_copy(0, mine, r_local)  # (W*B,), own with grad
-                policy_loss = crd_loss(r_step, step_a[b], step_groups[b], args.crd_beta, args.weight_temp,
-                                       args.adv_clip)
+                policy_loss = crd_loss(r_step, step_a[b], step_groups[b], args.crd_beta, args.weight_temp, args.adv_clip)
                 kl_loss = torch.zeros((), device=device)
                 if args.kl_beta > 0:
                     kl_loss, kl = crd_kl(v, v_teacher, step_a[b, mine], args.kl_beta, args.reward_adaptive_kl)
                     stats["kl"].append(kl.mean().item())
                     stats["old_kl"].append(((v_old - v_teacher) ** 2).mean().item())  # old vs the teacher
-                # only this rank's B of the W*B loss terms carry gradient: x world makes the rank-averaged
-                # gradient that of the gathered mean (the port's per-rank mean over local samples)
+                # only this rank's B of the W*B terms carry gradient: x world = the gathered mean's (port: rank mean)
                 scaler.scale((world * policy_loss + kl_loss) / accum).backward()
                 if micro == 0:  # r_theta is exactly 0 while old == current (the first epoch, or old decay <= 0)
                     first_r_theta = r_local.abs().max().item()
@@ -705,10 +703,10 @@ if __name__ == "__main__":
                 scaler.update()
                 optimizer.zero_grad(set_to_none=True)
                 global_step += 1
-                decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))  # upstream EMA warm-up
-                with torch.no_grad():
-                    for e, p in zip(ema_params, lora_params):
-                        e.mul_(decay).add_(p.detach(), alpha=1 - decay)
+                if args.ema_every == 0 or args.ema_decay == 0:  # per optimizer step (decay 0: EMA = live weights)
+                    blend_snapshot(ema_params, lora_params, min(args.ema_decay, (1 + global_step) / (10 + global_step)))
+        if args.ema_decay > 0 and args.ema_every > 0 and (epoch + 1) % args.ema_every == 0:  # Flow-Factory crd.py
+            blend_snapshot(ema_params, lora_params, min(args.ema_decay, (1 + epoch) / (10 + epoch)))  # ema_step(epoch)
 
         # ---- SNAPSHOTS: old, then sampling <- decay snapshot + (1 - decay) current, decays from optimizer steps ----
         old_decay, sampling_decay = (snapshot_decay(global_step, s) for s in (args.old_decay, args.sampling_decay))

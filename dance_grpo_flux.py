@@ -3,7 +3,7 @@
 Paper: DanceGRPO (arXiv:2505.07818). Upstream: XueZeyue/DanceGRPO, fastvideo/train_grpo_flux.py (+ _lora.py).
 Defaults = the 8-GPU LoRA recipe (scripts/finetune/finetune_flux_grpo_8gpus_lora.sh), rescaled to any GPU count:
     torchrun --nproc_per_node 8 dance_grpo_flux.py --train-prompts hpd_prompts.txt --test-prompts hpd_test.txt
-PickScore instead of HPS v2.1: add `--reward pickscore`.
+PickScore instead of HPS v2.1: add `--reward pickscore`. The paper's full fine-tuning (FSDP2, 16 GPUs): README.
 One-minute CPU demo on a tiny random model:
     python tests/tiny.py /tmp/tiny && python dance_grpo_flux.py --model /tmp/tiny/tiny-flux \
         --train-prompts tests/assets/ocr_prompts.txt --test-prompts tests/assets/ocr_prompts.txt \
@@ -29,11 +29,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
-from diffusers import FluxPipeline
-from huggingface_hub import hf_hub_download
+from diffusers import FluxPipeline, FluxTransformer2DModel
+from huggingface_hub import hf_hub_download, save_torch_state_dict
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 from PIL import Image
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+from torch.distributed.fsdp import fully_shard
 from tqdm import tqdm
 
 import rewards
@@ -66,6 +68,8 @@ class Args:
     """dtype of the frozen text encoders and transformer base, with autocast (LoRA and VAE stay fp32); no = all fp32"""
     gradient_checkpointing: bool = True
     """recompute transformer activations in the backward pass (FLUX is 12B; upstream always does)"""
+    full_finetune: bool = False
+    """train every transformer weight, as the paper (fp32 master weights sharded per block with FSDP2, bf16 autocast)"""
     lora_rank: int = 128
     """LoRA rank on to_q/to_k/to_v/to_out.0 of every attention (upstream LoRA script)"""
     lora_alpha: int = 256
@@ -96,6 +100,10 @@ class Args:
     """eta, DanceGRPO's constant diffusion coefficient (sde.py, kind='dance')"""
     init_same_noise: bool = True
     """every image of a group starts from the same initial latent (upstream --init_same_noise)"""
+    sde_window_size: int = 0
+    """K > 0: per micro-batch, the dance SDE on K consecutive steps only (ODE elsewhere), trained on just those"""
+    sde_window_range: tuple[int, int] | None = None
+    """A B: the window lies in steps [A, B), its start drawn uniformly from A..B-K; None = (0, num_steps // 2)"""
     # ---- batch sizes (global ones do not depend on the GPU count) ----
     group_size: int = 12
     """images per prompt (the GRPO group)"""
@@ -148,12 +156,9 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float 
     """(reward - its group's mean) / (its group's std + eps), std UNBIASED as upstream's torch `.std()`
     (train_grpo_flux.py::train_one_step, --use_group). rewards, group_ids: (N,); every group needs >= 2 members.
     A group whose rewards are all equal gets zeros."""
-    rewards = rewards.double()
-    n_groups = int(group_ids.max()) + 1
-    count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, torch.ones_like(rewards))
-    mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, rewards) / count
-    centered = rewards - mean[group_ids]
-    var = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, centered**2) / (count - 1)
+    rewards, count = rewards.double(), torch.bincount(group_ids).double()
+    centered = rewards - (torch.bincount(group_ids, rewards) / count)[group_ids]
+    var = torch.bincount(group_ids, centered**2) / (count - 1)
     return (centered / (var.sqrt()[group_ids] + eps)).float()
 
 
@@ -168,9 +173,32 @@ def grpo_loss(log_prob, old_log_prob, advantages, clip_range: float, adv_clip: f
     """PPO-clipped policy loss on per-sample (B,) log-probs; returns (loss, ratio). Upstream train_sd3.py."""
     adv = advantages.clamp(-adv_clip, adv_clip)
     ratio = torch.exp(log_prob - old_log_prob)
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1 - clip_range, 1 + clip_range)
-    return torch.maximum(unclipped, clipped).mean(), ratio
+    return torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_range, 1 + clip_range)).mean(), ratio
+
+
+def draw_sde_window(size: int, window_range: tuple[int, int], num_steps: int, generator) -> tuple[int, int]:
+    """SDE steps [start, start + size) of a micro-batch, start uniform in A..B-size, BOTH ends included (upstream
+    random.randint, flow_grpo sd3_pipeline_with_logprob_fast.py): inside [A, B). size 0: every step (paper run)."""
+    if size == 0:
+        return 0, num_steps
+    start = int(torch.randint(window_range[0], window_range[1] - size + 1, (), generator=generator,
+                              device=generator.device))
+    return start, start + size
+
+
+def window_rollout(transformer, noise, sigmas, window, noise_level, cond, guidance_scale, autocast, generator):
+    """The dance SDE on steps window[0] <= i < window[1], ODE elsewhere (MixGRPO's / DiffSynth-Studio's noise window):
+    `rollout` on three sub-grids; cond = (embeds, pooled, text_ids, img_ids). Returns the window's latents
+    (B, K+1, L, 4C), log-probs (B, K) and the last step's x0_hat."""
+    start, end = window
+    x = noise if start == 0 else rollout(transformer, noise, sigmas[: start + 1], "ode", 0.0, *cond, guidance_scale,
+                                         autocast, None)[0][:, -1]
+    latents, log_probs, x0_hat = rollout(transformer, x, sigmas[start : end + 1], "dance", noise_level, *cond,
+                                         guidance_scale, autocast, generator)
+    if end < len(sigmas) - 1:
+        x0_hat = rollout(transformer, latents[:, -1], sigmas[end:], "ode", 0.0, *cond, guidance_scale, autocast,
+                         None)[2]
+    return latents, log_probs, x0_hat
 
 
 def dance_sigmas(num_steps: int, shift: float) -> torch.Tensor:
@@ -265,8 +293,7 @@ def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
 
 def encode(pipe, prompts: list[str], device, max_sequence_length: int):
     """T5 hidden states (B, L, 4096), CLIP-L pooled (B, 768) and text ids (L, 3), as FluxPipeline does."""
-    embeds, pooled, text_ids = pipe.encode_prompt(prompts, None, device=device, max_sequence_length=max_sequence_length)
-    return embeds, pooled, text_ids
+    return pipe.encode_prompt(prompts, None, device=device, max_sequence_length=max_sequence_length)
 
 
 def image_ids(height: int, width: int, device) -> torch.Tensor:
@@ -371,16 +398,54 @@ def save_checkpoint(path: str, transformer, lora_params, ema_params, optimizer, 
     os.rename(tmp, path)
 
 
+def shard_for_full_finetune(transformer):
+    """fp32, trainable, FSDP2-sharded per FLUX block then the root (upstream fsdp_util.py: FSDP1, fp32 params)."""
+    transformer.float().requires_grad_(True)
+    if not dist.is_initialized():  # one process: a 1-rank group (gloo, nccl), the same code path
+        dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)
+    for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
+        fully_shard(block)
+    fully_shard(transformer)
+
+
+def save_full_checkpoint(path: str, transformer, optimizer, ema_params, next_epoch, global_step, args, rank: int):
+    """All ranks, atomic: `dcp/` shards, state.pt, after the last epoch diffusers `transformer/` (`ema_transformer/`)"""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")  # hidden until complete
+    model, optim = get_state_dict(transformer, optimizer)  # sharded, keyed by name
+    dist.checkpoint.save({"model": model, "optimizer": optim, "ema": dict(zip(model, ema_params))},
+                         checkpoint_id=f"{tmp}/dcp")
+    exports = [("transformer", []), ("ema_transformer", ema_params)] if next_epoch == args.epochs else []
+    for name, ema in exports[: 1 + bool(args.ema_decay)]:  # all weights, gathered on rank 0's CPU
+        with swapped(list(transformer.parameters()) if ema else [], ema):
+            full = get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:  # sharded safetensors + config, as FluxTransformer2DModel.save_pretrained writes them
+            out = f"{tmp}/{name}"
+            os.makedirs(out)
+            save_torch_state_dict(full, out, filename_pattern="diffusion_pytorch_model{suffix}.safetensors")
+            with open(f"{out}/config.json", "w") as f:
+                json.dump({**transformer.config, "_class_name": "FluxTransformer2DModel"}, f, indent=2)
+    if rank == 0:
+        torch.save({"kind": "full_finetune", "next_epoch": next_epoch, "global_step": global_step,
+                    "args": asdict(args)}, os.path.join(tmp, "state.pt"))
+        if os.path.exists(path):
+            os.rename(path, path + ".old")
+        os.rename(tmp, path)
+        shutil.rmtree(path + ".old", ignore_errors=True)
+
+
 @contextmanager
 def swapped(params, ema):
     """Temporarily put the EMA values into the live LoRA parameters (for eval and the saved `ema_lora`)."""
-    for p, e in zip(params, ema):
-        p.data, e.data = e.data, p.data
+    def swap():
+        for p, e in zip(params, ema):
+            live = p.data.clone()
+            p.data.copy_(e)
+            e.copy_(live)
+    swap()
     try:
         yield
     finally:
-        for p, e in zip(params, ema):
-            p.data, e.data = e.data, p.data
+        swap()
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -408,11 +473,9 @@ def rank_mean(values: dict[str, float], world: int, device) -> dict[str, float]:
 
 def check_finite(where: str, run_dir: str, **values):
     """Stop with one line naming the first non-finite value (reward, advantage, loss, gradient) and last checkpoint."""
-    for name, value in values.items():
-        if not torch.isfinite(torch.as_tensor(value)).all():
-            last = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
-            fail(f"non-finite {name} at {where}; stopping. " + (f"The last checkpoint is {last[-1]}" if last
-                                                                 else "No checkpoint was saved yet"))
+    for name in [k for k, v in values.items() if not torch.isfinite(torch.as_tensor(v)).all()][:1]:
+        last = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))[-1:] or ["none saved yet"]
+        fail(f"non-finite {name} at {where}; stopping. Last checkpoint: {last[0]}")
 
 
 if __name__ == "__main__":
@@ -422,9 +485,17 @@ if __name__ == "__main__":
     train_prompts, train_meta = ([], []) if args.eval_only else load_prompts(args.train_prompts)
     test_prompts, test_meta = load_prompts(args.test_prompts)
     state = check_args(args)
+    if args.full_finetune and ((args.lora_rank, args.lora_alpha) != (128, 256) or args.mixed_precision == "fp16"):
+        fail("--full-finetune trains every weight in fp32 under bf16 autocast: no LoRA-only --lora-rank/--lora-alpha, "
+             "no --mixed-precision fp16")
+    if args.resume and os.path.isdir(os.path.join(args.resume, "dcp")) != args.full_finetune:
+        fail(f"--resume {args.resume!r} is {'not ' * args.full_finetune}a --full-finetune checkpoint: match the flag")
     if args.group_size < 2:
         fail(f"--group-size {args.group_size}: a group needs at least 2 images for its (unbiased) std")
-    num_train_steps = int((args.num_steps - 1) * args.timestep_fraction)
+    lo, hi = window_range = args.sde_window_range or (0, args.num_steps // 2)
+    if (k := args.sde_window_size) and not 0 <= lo <= hi - k < hi <= args.num_steps:  # also rejects K < 0
+        fail(f"--sde-window-size {k} does not fit --sde-window-range {lo} {hi} (0 <= A <= B - K, B <= --num-steps)")
+    num_train_steps = k or int((args.num_steps - 1) * args.timestep_fraction)  # a window trains its K steps
     if num_train_steps < 1:
         fail(f"--timestep-fraction {args.timestep_fraction} trains no step of the first --num-steps {args.num_steps} "
              f"- 1 transitions; raise either")
@@ -439,6 +510,16 @@ if __name__ == "__main__":
         fail(str(e))
     if device.type == "cuda":  # cuDNN attention's backward crashes or returns NaN on FLUX (torch 2.11, H100): use flash
         torch.backends.cuda.enable_cudnn_sdp(False)
+    if args.full_finetune and len(test_prompts) % world:  # FSDP: every forward runs on all ranks
+        fail(f"--full-finetune: {len(test_prompts)} test prompts do not split evenly into {world} GPUs")
+    if args.full_finetune and world == 1:  # fp32 weights, grads, AdamW's 2 moments: 16 bytes/parameter (meta device)
+        with torch.device("meta"):
+            config = FluxTransformer2DModel.load_config(args.model, subfolder="transformer")
+            need = 16e-9 * sum(p.numel() for p in FluxTransformer2DModel.from_config(config).parameters())
+        have = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+                else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 1e9
+        if need > have:
+            fail(f"--full-finetune needs {need:.0f} GB (fp32 weights+grads+AdamW), one {device.type} has {have:.0f} GB")
     images_per_epoch = args.prompts_per_epoch * args.group_size
     if images_per_epoch % (world * args.batch_size):
         fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split into {world} GPUs x "
@@ -469,9 +550,12 @@ if __name__ == "__main__":
     for module in (transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
         module.requires_grad_(False)
     torch.manual_seed(args.seed)
-    transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian",
-                                       target_modules=LORA_TARGETS))
-    lora_params = [p for p in transformer.parameters() if p.requires_grad]
+    if args.full_finetune:
+        shard_for_full_finetune(transformer)
+    else:
+        transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights=True,
+                                           target_modules=LORA_TARGETS))  # peft's default (Kaiming-uniform A): upstream
+    lora_params = [p for p in transformer.parameters() if p.requires_grad]  # the trained ones (all: --full-finetune)
     for p in lora_params:
         p.data = p.data.float()
     if args.gradient_checkpointing:
@@ -487,7 +571,12 @@ if __name__ == "__main__":
     eval_sigmas = dance_sigmas(args.eval_num_steps, args.shift).to(device)
     reward_weights = reward_fn.weights  # {component: weight}
     start_epoch, global_step = 0, 0
-    if state is not None:
+    if state is not None and args.full_finetune:  # each rank reads its shards in place, from any GPU count's checkpoint
+        model_sd, optim_sd = get_state_dict(transformer, optimizer)
+        dist.checkpoint.load({"model": model_sd, "optimizer": optim_sd, "ema": dict(zip(model_sd, ema_params))},
+                             checkpoint_id=os.path.join(args.resume, "dcp"))
+        start_epoch, global_step = state["next_epoch"], state["global_step"]
+    elif state is not None:
         for p, saved in zip(lora_params, state["lora"]):
             p.data.copy_(saved)
         for e, saved in zip(ema_params, state["ema"]):
@@ -553,12 +642,13 @@ if __name__ == "__main__":
                     device, args.seed, epoch, int(g), GROUP_NOISE_STREAM)) for g in my_groups[b]])
             else:
                 noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen, device=device)
-            latents, log_probs, x0_hat = rollout(transformer, noise, sigmas, "dance", args.noise_level, all_embeds[pos],
-                                                 all_pooled[pos], text_ids, img_ids, args.guidance_scale, autocast,
-                                                 noise_gen)  # (B, T+1, L, 4C), (B, T), (B, L, 4C)
+            window = draw_sde_window(k, window_range, args.num_steps, noise_gen)  # default (0, T): every step
+            latents, log_probs, x0_hat = window_rollout(transformer, noise, sigmas, window, args.noise_level,
+                                                        (all_embeds[pos], all_pooled[pos], text_ids, img_ids),
+                                                        args.guidance_scale, autocast, noise_gen)  # (B, K+1, L, 4C)
             images = decode(pipe.vae, unpack(x0_hat, latent_size, latent_size))  # the last step's x0_hat, as upstream
             futures.append(executor.submit(reward_fn, images.cpu(), prompts, meta))
-            batches.append({"pos": pos, "latents": latents, "log_probs": log_probs})
+            batches.append({"pos": pos, "latents": latents, "log_probs": log_probs, "sigmas": sigmas[window[0] :]})
         sampling_seconds = time.time() - epoch_start
 
         # ---- REWARD: wait for the scorer, gather every rank's rewards in rank order ----
@@ -584,14 +674,15 @@ if __name__ == "__main__":
         stats = {"policy_loss": [], "approx_kl": [], "clipfrac": []}
         on_policy_dev, micro = float("nan"), 0
         for b, batch in enumerate(tqdm(batches, desc=f"epoch {epoch} training", disable=quiet, leave=False)):
-            latents, rows = batch["latents"], torch.arange(args.batch_size, device=device)
-            steps = select_train_steps(args.batch_size, args.num_steps, args.timestep_fraction, step_gen).to(device)
+            latents, rows, sig = batch["latents"], torch.arange(args.batch_size, device=device), batch["sigmas"]
+            steps = (select_train_steps(args.batch_size, args.num_steps, args.timestep_fraction, step_gen) if not k
+                     else torch.arange(k).expand(args.batch_size, k)).to(device)  # a window trains all its K steps
             for j in range(num_train_steps):
                 t = steps[:, j]  # (B,) each sample's own transition t -> t + 1
                 with autocast:
-                    v = predict_velocity(transformer, latents[rows, t], sigmas[t], all_embeds[batch["pos"]],
+                    v = predict_velocity(transformer, latents[rows, t], sig[t], all_embeds[batch["pos"]],
                                          all_pooled[batch["pos"]], text_ids, img_ids, args.guidance_scale)
-                _, log_prob, _, _ = sde_step(v, latents[rows, t], sigmas[t], sigmas[t + 1], "dance", args.noise_level,
+                _, log_prob, _, _ = sde_step(v, latents[rows, t], sig[t], sig[t + 1], "dance", args.noise_level,
                                              prev_sample=latents[rows, t + 1])
                 old_log_prob = batch["log_probs"][rows, t]
                 policy_loss, ratio = grpo_loss(log_prob, old_log_prob, my_adv[b], args.clip_range, args.adv_clip)
@@ -607,15 +698,12 @@ if __name__ == "__main__":
                 micro += 1
                 if micro % accum:
                     continue
-                # one optimizer step: average LoRA grads over ranks in one flat all-reduce, clip, step, EMA
-                flat = torch.cat([p.grad.flatten() for p in lora_params])
-                if world > 1:
+                # optimizer step: average LoRA grads in a flat all-reduce (FSDP2 did full FT's), clip, step, EMA
+                if world > 1 and not args.full_finetune:
+                    flat = torch.cat([p.grad.flatten() for p in lora_params])
                     dist.all_reduce(flat)
-                    flat /= world
-                offset = 0
-                for p in lora_params:
-                    p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-                    offset += p.numel()
+                    for p, g in zip(lora_params, (flat / world).split([p.numel() for p in lora_params])):
+                        p.grad.copy_(g.view_as(p))
                 scaler.unscale_(optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, args.max_grad_norm)
                 if not scaler.is_enabled():  # (fp16's scaler skips non-finite steps itself)
@@ -652,7 +740,10 @@ if __name__ == "__main__":
                   f"| clipfrac {metrics['losses/clipfrac']:.3f} | {metrics['perf/images_per_sec']:.2f} img/s "
                   f"| {epoch_seconds:.0f}s" + (f" | eval {metrics['eval/reward_mean']:.4f}" if "eval/reward_mean" in metrics else ""))
         if (epoch + 1) % args.save_every == 0 or epoch + 1 == args.epochs:
-            if rank == 0:
+            if args.full_finetune:
+                save_full_checkpoint(os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}"), transformer,
+                                     optimizer, ema_params, epoch + 1, global_step, args, rank)
+            elif rank == 0:
                 save_checkpoint(os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}"), transformer,
                                 lora_params, ema_params, optimizer, epoch + 1, global_step, args, extra={})
             if world > 1:

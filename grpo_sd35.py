@@ -21,7 +21,7 @@ import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -90,9 +90,17 @@ class Args:
     eval_num_steps: int = 40
     """ODE steps for eval"""
     guidance_scale: float = 4.5
-    """classifier-free guidance scale in rollouts, training forwards and eval"""
+    """CFG scale in rollouts, training and reference forwards (1 = no CFG: no unconditional forward anywhere)"""
+    eval_guidance_scale: float | None = None
+    """CFG scale of eval; None = --guidance-scale"""
     noise_level: float = 0.7
-    """a in Flow-GRPO's sigma_t = a * sqrt(sigma / (1 - sigma)) (sde.py, kind='flow')"""
+    """a of the SDE: Flow-GRPO's sigma_t = a sqrt(sigma / (1 - sigma)) (kind flow), or CPS's sin(a pi / 2) (kind cps)"""
+    sde_kind: Literal["flow", "cps"] = "flow"
+    """SDE of the stochastic steps (sde.py): Flow-GRPO's, or coefficient-preserving (upstream: clip 1e-5, a 0.8)"""
+    sde_window_size: int = 0
+    """K > 0: per micro-batch, SDE on K consecutive steps only (ODE elsewhere), and train just those (Flow-GRPO-Fast)"""
+    sde_window_range: tuple[int, int] | None = None
+    """A B: the window lies in steps [A, B), its start drawn uniformly from A..B-K; None = (0, num_steps // 2)"""
     # ---- batch sizes (global ones do not depend on the GPU count) ----
     group_size: int = 24
     """images per prompt (the GRPO group)"""
@@ -115,6 +123,8 @@ class Args:
     """gradient-norm clip"""
     ema_decay: float = 0.9
     """EMA decay of the LoRA weights used for eval and the saved `ema` LoRA (0 disables)"""
+    ema_interval: int = 8
+    """EMA stepped after every micro-batch, moving only while (optimizer steps + 1) % N == 0 (upstream); 0 = per step"""
     # ---- algorithm ----
     clip_range: float = 1e-4
     """PPO clip on the ratio of mean-over-elements log-probs (sde.py), hence tiny"""
@@ -126,6 +136,8 @@ class Args:
     """advantages are clipped to +-adv_clip"""
     per_group_std: bool = False
     """normalise advantages by each group's std instead of the epoch's global std (upstream default: global)"""
+    ratio_norm: bool = False
+    """GRPO-Guard's RatioNorm (kind flow): centred, rescaled log-ratio and loss / |dt| (ratio_norm_log_ratio)"""
     on_policy_tol: float = 1e-3
     """warn when the epoch's first micro-step (exactly on-policy) has max |ratio - 1| above this"""
     # ---- logging, eval, checkpoints ----
@@ -150,16 +162,10 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, per_group_s
 
     rewards, group_ids: (N,). Population std as upstream's np.std. A group whose rewards are all equal gets zeros.
     """
-    rewards = rewards.double()
-    n_groups = int(group_ids.max()) + 1
-    count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, torch.ones_like(rewards))
-    mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, rewards) / count
-    centered = rewards - mean[group_ids]
-    if per_group_std:
-        var = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, centered**2) / count
-        std = var.sqrt()[group_ids]
-    else:
-        std = rewards.std(unbiased=False)
+    rewards, count = rewards.double(), torch.bincount(group_ids).double()
+    centered = rewards - (torch.bincount(group_ids, rewards) / count)[group_ids]
+    group_std = (torch.bincount(group_ids, centered**2) / count).sqrt()[group_ids]
+    std = group_std if per_group_std else rewards.std(unbiased=False)
     return (centered / (std + eps)).float()
 
 
@@ -177,9 +183,45 @@ def grpo_loss(log_prob, old_log_prob, advantages, clip_range: float, adv_clip: f
     """PPO-clipped policy loss on per-sample (B,) log-probs; returns (loss, ratio). Upstream train_sd3.py."""
     adv = advantages.clamp(-adv_clip, adv_clip)
     ratio = torch.exp(log_prob - old_log_prob)
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1 - clip_range, 1 + clip_range)
-    return torch.maximum(unclipped, clipped).mean(), ratio
+    return torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - clip_range, 1 + clip_range)).mean(), ratio
+
+
+def ratio_norm_log_ratio(log_prob, old_log_prob, mean, old_mean, std):
+    """GRPO-Guard's RatioNorm (arXiv:2510.22319; flow_grpo train_sd3_GRPO_Guard.py, `rationorm`) of a Gaussian step's
+    (B,) log-ratio, std s (B,). With x' = old_mean + s eps, dmu = mean - old_mean, the raw log-ratio mean(eps dmu) / s -
+    mean(dmu^2) / (2 s^2) sits below 0 (the clip then rarely stops positive-advantage samples) and its gradient per
+    velocity, ~|dt| / s, starves high-noise steps. Adding the bias back and scaling by s leaves mean(eps dmu): centred,
+    same spread at every step; the caller divides the loss by |dt| (upstream: sqrt_dt^2), finishing the reweighting."""
+    bias = ((mean - old_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std**2)
+    return (log_prob - old_log_prob + bias) * std
+
+
+def draw_sde_window(size: int, window_range: tuple[int, int], num_steps: int, generator) -> tuple[int, int]:
+    """SDE steps [start, start + size) of a micro-batch, start uniform in A..B-size, BOTH ends included (upstream
+    random.randint, flow_grpo sd3_pipeline_with_logprob_fast.py): inside [A, B). size 0: every step (May-2025 run)."""
+    if size == 0:
+        return 0, num_steps
+    start = int(torch.randint(window_range[0], window_range[1] - size + 1, (), generator=generator,
+                              device=generator.device))
+    return start, start + size
+
+
+@torch.no_grad()
+def window_rollout(transformer, noise, sigmas, window, kind, noise_level, cond, guidance_scale, autocast, generator):
+    """Sample sigma = 1 -> 0 with the SDE `kind` on steps window[0] <= i < window[1], Euler ODE elsewhere (flow_grpo
+    sd3_pipeline_with_logprob_fast.py::pipeline_with_logprob). cond = (embeds, pooled, neg_embeds, neg_pooled).
+    Returns the window's latents (B, K+1, C, h, w), log-probs (B, K), step means (B, K, C, h, w), the final latent."""
+    x, latents, log_probs, means = noise.float(), [], [], []
+    for i in range(len(sigmas) - 1):
+        with autocast:
+            v = predict_velocity(transformer, x, sigmas[i], *cond, guidance_scale)
+        sde = window[0] <= i < window[1]
+        latents += [x] if i == window[0] else []
+        x, log_prob, mean, _ = sde_step(v, x, sigmas[i], sigmas[i + 1], kind if sde else "ode", noise_level,
+                                        generator=generator, sigma_max=sigmas[1])
+        if sde:
+            latents, log_probs, means = latents + [x], log_probs + [log_prob], means + [mean]
+    return torch.stack(latents, dim=1), torch.stack(log_probs, dim=1), torch.stack(means, dim=1), x
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -412,11 +454,9 @@ def rank_mean(values: dict[str, float], world: int, device) -> dict[str, float]:
 
 def check_finite(where: str, run_dir: str, **values):
     """Stop with one line naming the first non-finite value (reward, advantage, loss, gradient) and last checkpoint."""
-    for name, value in values.items():
-        if not torch.isfinite(torch.as_tensor(value)).all():
-            last = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
-            fail(f"non-finite {name} at {where}; stopping. " + (f"The last checkpoint is {last[-1]}" if last
-                                                                 else "No checkpoint was saved yet"))
+    for name in [k for k, v in values.items() if not torch.isfinite(torch.as_tensor(v)).all()][:1]:
+        last = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))[-1:] or ["none saved yet"]
+        fail(f"non-finite {name} at {where}; stopping. Last checkpoint: {last[0]}")
 
 
 if __name__ == "__main__":
@@ -444,9 +484,14 @@ if __name__ == "__main__":
     if num_batches % args.updates_per_epoch:
         fail(f"{num_batches} micro-batches per GPU per epoch do not split into --updates-per-epoch "
              f"{args.updates_per_epoch}; change --updates-per-epoch or --batch-size")
-    num_train_steps = int(args.num_steps * args.timestep_fraction)
+    lo, hi = window_range = args.sde_window_range or (0, args.num_steps // 2)
+    if (k := args.sde_window_size) and not 0 <= lo <= hi - k < hi <= args.num_steps:  # also rejects K < 0
+        fail(f"--sde-window-size {k} does not fit --sde-window-range {lo} {hi} (0 <= A <= B - K, B <= --num-steps)")
+    num_train_steps = k or int(args.num_steps * args.timestep_fraction)  # a window trains its K steps
     if num_train_steps < 1:
         fail(f"--timestep-fraction {args.timestep_fraction} trains no step of --num-steps {args.num_steps}")
+    if args.ratio_norm and args.sde_kind != "flow":
+        fail("--ratio-norm needs --sde-kind flow (it normalises a Gaussian log-ratio; CPS's log-prob is not one)")
     accum = num_batches // args.updates_per_epoch * num_train_steps  # micro-steps (batch, step) per optimizer step
     run_name = [f"{args.exp_name}__{args.seed}__{int(time.time())}"]
     if world > 1:
@@ -487,6 +532,7 @@ if __name__ == "__main__":
     eval_sigmas = pipe.scheduler.sigmas.float()
     with torch.no_grad():
         neg = encode(pipe, [""], device, args.max_sequence_length)  # empty-prompt CFG embedding, computed once
+    eval_args = args if args.eval_guidance_scale is None else replace(args, guidance_scale=args.eval_guidance_scale)
     reward_weights = reward_fn.weights  # {component: weight}
     start_epoch, global_step = 0, 0
     if state is not None:
@@ -512,8 +558,8 @@ if __name__ == "__main__":
 
     def run_eval(epoch: int, prefix: str = "eval/") -> dict:
         with swapped(lora_params, ema_params):  # with --ema-decay 0 the EMA equals the live weights
-            means, sheet = evaluate(pipe, args, test_prompts, test_meta, eval_reward_fn, eval_sigmas, neg, rank, world,
-                                   device, autocast, latent_shape)
+            means, sheet = evaluate(pipe, eval_args, test_prompts, test_meta, eval_reward_fn, eval_sigmas, neg, rank,
+                                    world, device, autocast, latent_shape)
         if rank == 0:
             path = os.path.join(run_dir, f"eval_{epoch:05d}.png")
             contact_sheet(sheet, path)
@@ -547,10 +593,13 @@ if __name__ == "__main__":
             with torch.no_grad():
                 embeds, pooled = encode(pipe, prompts, device, args.max_sequence_length)
             noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen, device=device)
-            latents, log_probs = rollout(transformer, noise, sigmas, "flow", args.noise_level, embeds, pooled, *neg,
-                                         args.guidance_scale, autocast, noise_gen)  # (B, T+1, C, h, w), (B, T)
-            futures.append(executor.submit(reward_fn, decode(pipe.vae, latents[:, -1]).cpu(), prompts, meta))
-            batches.append({"embeds": embeds, "pooled": pooled, "latents": latents, "log_probs": log_probs})
+            window = draw_sde_window(args.sde_window_size, window_range, args.num_steps, noise_gen)  # default (0, T)
+            latents, log_probs, means, final = window_rollout(transformer, noise, sigmas, window, args.sde_kind,
+                                                              args.noise_level, (embeds, pooled, *neg),
+                                                              args.guidance_scale, autocast, noise_gen)  # (B, K+1, ...)
+            futures.append(executor.submit(reward_fn, decode(pipe.vae, final).cpu(), prompts, meta))
+            batches.append({"embeds": embeds, "pooled": pooled, "latents": latents, "log_probs": log_probs,
+                            "means": means if args.ratio_norm else None, "start": window[0]})
         sampling_seconds = time.time() - epoch_start
 
         # ---- REWARD: wait for the scorer, gather every rank's rewards in rank order ----
@@ -576,26 +625,31 @@ if __name__ == "__main__":
         stats = {"policy_loss": [], "kl": [], "approx_kl": [], "clipfrac": []}
         on_policy_dev, micro = float("nan"), 0
         for b, batch in enumerate(tqdm(batches, desc=f"epoch {epoch} training", disable=quiet, leave=False)):
-            latents = batch["latents"]
+            latents = batch["latents"]  # the window's K+1 latents (all T+1 without a window)
             for j in range(num_train_steps):
+                t = batch["start"] + j  # schedule index of the window's j-th step
                 with autocast:
-                    v = predict_velocity(transformer, latents[:, j], sigmas[j], batch["embeds"], batch["pooled"], *neg,
+                    v = predict_velocity(transformer, latents[:, j], sigmas[t], batch["embeds"], batch["pooled"], *neg,
                                          args.guidance_scale)
-                _, log_prob, mean, _ = sde_step(v, latents[:, j], sigmas[j], sigmas[j + 1], "flow", args.noise_level,
-                                                prev_sample=latents[:, j + 1], sigma_max=sigmas[1])
-                policy_loss, ratio = grpo_loss(log_prob, batch["log_probs"][:, j], my_adv[b], args.clip_range,
-                                               args.adv_clip)
+                _, log_prob, mean, std = sde_step(v, latents[:, j], sigmas[t], sigmas[t + 1], args.sde_kind,
+                                                  args.noise_level, prev_sample=latents[:, j + 1], sigma_max=sigmas[1])
+                old_log_prob = batch["log_probs"][:, j]
+                log_ratio = (ratio_norm_log_ratio(log_prob, old_log_prob, mean, batch["means"][:, j], std.flatten())
+                             if args.ratio_norm else log_prob - old_log_prob)
+                policy_loss, ratio = grpo_loss(log_ratio, 0.0, my_adv[b], args.clip_range, args.adv_clip)
+                policy_loss = policy_loss / ((sigmas[t] - sigmas[t + 1]) if args.ratio_norm else 1)  # / |dt|
                 kl = torch.zeros((), device=device)
                 if args.kl_beta > 0:
                     with torch.no_grad(), adapters_disabled(transformer), autocast:
-                        v_ref = predict_velocity(transformer, latents[:, j], sigmas[j], batch["embeds"],
+                        v_ref = predict_velocity(transformer, latents[:, j], sigmas[t], batch["embeds"],
                                                  batch["pooled"], *neg, args.guidance_scale)
-                    mean_ref = sde_step(v_ref, latents[:, j], sigmas[j], sigmas[j + 1], "flow", args.noise_level,
+                    mean_ref = sde_step(v_ref, latents[:, j], sigmas[t], sigmas[t + 1], args.sde_kind, args.noise_level,
                                         prev_sample=latents[:, j + 1], sigma_max=sigmas[1])[2]
                     # KL as upstream train_sd3.py (since commit 2d76907), not the paper's exact Eq. 10:
                     # mean over elements of (mu_theta - mu_ref)^2 / (2 sigma_t^2), sigma_t = a sqrt(s / (1 - s)) with
-                    # NO sqrt(-dt) factor; the exact Gaussian KL would sum, and divide by sigma_t^2 * (-dt).
-                    sigma_t = flow_sigma_t(sigmas[j], args.noise_level, sigmas[1])
+                    # NO sqrt(-dt) factor (CPS: its step std); the exact Gaussian KL sums, divides by sigma_t^2 (-dt).
+                    sigma_t = (flow_sigma_t(sigmas[t], args.noise_level, sigmas[1]) if args.sde_kind == "flow"
+                               else std.flatten())
                     kl = (((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)) / (2 * sigma_t**2)).mean()
                 loss = policy_loss + args.kl_beta * kl
                 scaler.scale(loss / accum).backward()
@@ -606,7 +660,7 @@ if __name__ == "__main__":
                               "the rollout and training forwards differ")
                 stats["policy_loss"].append(policy_loss.item())
                 stats["kl"].append(kl.item())
-                stats["approx_kl"].append(0.5 * ((log_prob - batch["log_probs"][:, j]) ** 2).mean().item())
+                stats["approx_kl"].append(0.5 * ((log_prob - old_log_prob) ** 2).mean().item())
                 stats["clipfrac"].append(((ratio - 1).abs() > args.clip_range).float().mean().item())
                 micro += 1
                 if micro % accum:
@@ -628,6 +682,10 @@ if __name__ == "__main__":
                 scaler.update()
                 optimizer.zero_grad(set_to_none=True)
                 global_step += 1
+            # EMA as upstream (flow_grpo ema.py, update_step_interval 8, stepped per micro-batch by train_sd3.py):
+            # it moves once per micro-batch while (global_step + 1) % 8 == 0; --ema-interval 0: per optimizer step
+            per_step = args.ema_interval == 0 or args.ema_decay == 0  # decay 0: the EMA is the live weights
+            if micro % accum == 0 if per_step else (global_step + 1) % args.ema_interval == 0:
                 decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))  # upstream EMA warm-up
                 with torch.no_grad():
                     for e, p in zip(ema_params, lora_params):

@@ -5,7 +5,7 @@ Rollouts keep only the final clean latent; training re-noises it and pulls v_the
 policy beta*v_theta + (1-beta)*v_old on good samples and away (through the negative one) on bad ones. No log-probs,
 no CFG, any ODE solver. Defaults = the paper's OCR run (upstream config/nft.py::sd3_ocr), for any GPU count:
     torchrun --nproc_per_node 8 nft_sd35.py --train-prompts ocr/train.txt --test-prompts ocr/test.txt
-GenEval / PickScore / HPS configs: add `--beta 1.0 --decay-type 1` and the reward (e.g. `--reward pickscore`).
+GenEval / PickScore / HPS configs: add `--beta 1.0 --decay-type 1 --updates-per-epoch 1` and the reward.
 One-minute CPU demo on a tiny random model:
     python tests/tiny.py /tmp/tiny && python nft_sd35.py --model /tmp/tiny/tiny-sd3 --train-prompts tests/assets/ocr_prompts.txt \
         --test-prompts tests/assets/ocr_prompts.txt --resolution 64 --num-steps 4 --eval-num-steps 4 --group-size 4 \
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
-from diffusers import DPMSolverMultistepScheduler, StableDiffusion3Pipeline
+from diffusers import StableDiffusion3Pipeline
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 from PIL import Image
@@ -87,7 +87,7 @@ class Args:
     resolution: int = 512
     """image height and width in pixels"""
     num_steps: int = 10
-    """rollout steps of the deterministic 2nd-order DPM-Solver++ (its grid is also the training timestep grid)"""
+    """rollout steps of the deterministic DPM-Solver++ on SD3's grid (the grid but its final 0 = training timesteps)"""
     eval_num_steps: int = 40
     """Euler ODE steps for eval"""
     guidance_scale: float = 1.0
@@ -102,7 +102,7 @@ class Args:
     eval_batch_size: int = 8
     """per-GPU eval batch"""
     updates_per_epoch: int = 2
-    """optimizer steps per epoch"""
+    """optimizer steps per epoch (upstream: 2 for OCR, 1 for GenEval / PickScore / HPS)"""
     epochs: int = 1000
     """epochs to train (each = sample, score, update)"""
     # ---- optimisation ----
@@ -212,17 +212,26 @@ def nft_loss(v, v_old, x0, xt, t, advantages, beta: float, adv_clip: float = 5.0
 
 
 @torch.no_grad()
-def dpm_rollout(transformer, scheduler, noise, num_steps, embeds, pooled, neg_embeds, neg_pooled, guidance_scale,
-                autocast):
-    """Deterministic DPM-Solver++(2M) from noise to the clean latent x0 (B, C, h, w), fp32 (upstream: solver='dpm2')."""
-    scheduler.set_timesteps(num_steps, device=noise.device)  # also resets the multistep history
-    x = noise.float()
-    for i, timestep in enumerate(scheduler.timesteps):
-        with autocast:
-            v = predict_velocity(transformer, x, scheduler.sigmas[i], embeds, pooled, neg_embeds, neg_pooled,
-                                 guidance_scale)
-        x = scheduler.step(v, timestep, x, return_dict=False)[0].float()
-    return x
+def dpm_sample(velocity, noise, sigmas) -> torch.Tensor:
+    """Deterministic DPM-Solver++ in data prediction (NVlabs/DiffusionNFT flow_grpo/diffusers_patch/solver.py,
+    run_sampling with solver='dpm2'): first-order (DDIM) steps out of sigmas[0] and into sigmas[-1], second-order
+    multistep in between, coefficients in float64. velocity(x, sigma) -> v; noise (B, C, h, w); sigmas (T+1,) from 1
+    to 0. Returns latents (B, T+1, C, h, w), fp32. Out of sigma = 1 the log-SNR history is -inf, so the second step's
+    correction vanishes and it is first order too, as upstream's."""
+    s = sigmas.double()
+    lam = torch.log(1 - s) - torch.log(s)  # log-SNR, -inf at sigma 1 and +inf at sigma 0
+    x, latents, x0_prev = noise.float(), [noise.float()], None
+    for i in range(len(s) - 1):
+        x0 = x - s[i] * velocity(x, sigmas[i]).float()  # data prediction
+        if i == 0 or i == len(s) - 2:  # DDIM: x0 plus the implied noise x + (1 - sigma) v rescaled to sigma_next
+            x = ((1 - s[i + 1]) * x0 + s[i + 1] * (x - (1 - s[i]) * x0) / s[i]).float()
+        else:
+            h = lam[i + 1] - lam[i]
+            d = x0 + (x0 - x0_prev) * h / (2 * (lam[i] - lam[i - 1]))  # second-order data-prediction difference
+            x = (s[i + 1] / s[i] * x - (1 - s[i + 1]) * torch.expm1(-h) * d).float()
+        x0_prev = x0
+        latents.append(x)
+    return torch.stack(latents, dim=1)
 # ---------------------------------------------------------------------------------------------------------------
 # Boilerplate shared verbatim by the SD3.5 scripts: input checks, prompts, model, rollout, decode, eval, checkpoint
 # ---------------------------------------------------------------------------------------------------------------
@@ -453,11 +462,9 @@ def rank_mean(values: dict[str, float], world: int, device) -> dict[str, float]:
 
 def check_finite(where: str, run_dir: str, **values):
     """Stop with one line naming the first non-finite value (reward, advantage, loss, gradient) and last checkpoint."""
-    for name, value in values.items():
-        if not torch.isfinite(torch.as_tensor(value)).all():
-            last = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
-            fail(f"non-finite {name} at {where}; stopping. " + (f"The last checkpoint is {last[-1]}" if last
-                                                                 else "No checkpoint was saved yet"))
+    for name in [k for k, v in values.items() if not torch.isfinite(torch.as_tensor(v)).all()][:1]:
+        last = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))[-1:] or ["none saved yet"]
+        fail(f"non-finite {name} at {where}; stopping. Last checkpoint: {last[0]}")
 
 
 if __name__ == "__main__":
@@ -523,10 +530,11 @@ if __name__ == "__main__":
     old_params = [p.detach().clone() for p in lora_params]  # the "old" LoRA: generates rollouts, anchors the loss
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     latent_shape = (transformer.config.in_channels, *[args.resolution // pipe.vae_scale_factor] * 2)
-    solver = DPMSolverMultistepScheduler(use_flow_sigmas=True, flow_shift=pipe.scheduler.config.shift, solver_order=2,
-                                         prediction_type="flow_prediction", algorithm_type="dpmsolver++")
-    solver.set_timesteps(args.num_steps, device=device)
-    sigmas = solver.sigmas[:-1].float().to(device)  # (T,) the rollout grid, ~1 to > 0: the training timesteps
+    pipe.scheduler.set_timesteps(args.num_steps, device=device)
+    grid = pipe.scheduler.sigmas.float()  # (T+1,) SD3's rollout grid 1 ... 0 (upstream pipeline_with_logprob.py)
+    sigmas = grid[:-1]  # (T,) the training timesteps: the grid without its final 0, as upstream
+    if rank == 0:
+        print(f"rollout grid sigma {[round(x, 4) for x in grid.tolist()]}; training timesteps: all but the final 0")
     pipe.scheduler.set_timesteps(args.eval_num_steps, device=device)
     eval_sigmas = pipe.scheduler.sigmas.float()
     with torch.no_grad():
@@ -594,8 +602,9 @@ if __name__ == "__main__":
                 with torch.no_grad():
                     embeds, pooled = encode(pipe, prompts, device, args.max_sequence_length)
                 noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen, device=device)
-                x0 = dpm_rollout(transformer, solver, noise, args.num_steps, embeds, pooled, *neg, args.guidance_scale,
-                                 autocast)  # (B, C, h, w)
+                with autocast:
+                    x0 = dpm_sample(lambda x, sigma: predict_velocity(transformer, x, sigma, embeds, pooled, *neg,
+                                                                      args.guidance_scale), noise, grid)[:, -1]
                 futures.append(executor.submit(reward_fn, decode(pipe.vae, x0).cpu(), prompts, meta))
                 batches.append({"embeds": embeds, "pooled": pooled, "x0": x0})
         sampling_seconds = time.time() - epoch_start

@@ -7,11 +7,14 @@ is float32 CPU (B,); `info` holds each component's score under its name plus ext
 components (upstream flow_grpo `multi_score`). Groupwise rewards (`pickscore_rank`) score pointwise when called and
 expose `fn.group_transform(components, group_ids)` for the gathered epoch (None for pointwise ones). Models load with
 `from_pretrained(id_or_path)`; heavy imports are lazy, a missing package names its `pip install`; network rewards
-retry with backoff, then fail naming the URL. Serve any reward from another process/env:
-`python rewards.py --serve hpsv2 --port 18090`, then train with `--reward "remote[url=http://host:18090]"`.
+are probed when built, retry timeouts and 5xx with backoff, stop at once on a refused connection, and read replies as
+data only (never code). Serve any reward from another process/env (loopback unless `--host`; README "Running rewards
+on another machine"): `python rewards.py --serve hpsv2 --port 18090`, then `--reward "remote[url=http://host:18090]"`.
 """
 
 import base64
+import ctypes
+import hmac
 import importlib
 import importlib.util
 import io
@@ -20,8 +23,11 @@ import math
 import os
 import pickle
 import re
+import socket
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -53,25 +59,77 @@ def require(module: str, pip: str, reward: str):
         raise ImportError(f"reward {reward!r} needs an extra package: pip install {pip}") from e
 
 
+MAX_REPLY = 64 << 20  # bytes: a network reward's reply is a few numbers per image
+
+
+def one_line(text, limit: int = 300) -> str:
+    text = text.decode(errors="replace") if isinstance(text, bytes) else str(text)
+    return " ".join(text.split())[:limit]
+
+
 def post(url: str, body: bytes, content_type: str, timeout: float, retries: int, headers: dict | None = None) -> bytes:
-    """POST with a timeout per try and exponential backoff (1 s, 2 s, 4 s, ...); never hangs forever."""
+    """POST with a timeout per try; timeouts and 5xx retry with backoff (1 s, 2 s, 4 s, ...); a refused connection or
+    a 4xx stops at once (retrying cannot help). Every failure is one line naming the URL."""
     request = urllib.request.Request(url, data=body, headers={"Content-Type": content_type, **(headers or {})},
                                      method="POST")
     last = None
     for attempt in range(retries + 1):
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
-                return response.read()
+                reply = response.read(MAX_REPLY + 1)
+            if len(reply) > MAX_REPLY:
+                raise RuntimeError(f"reward server {url} sent a reply over {MAX_REPLY >> 20} MiB")
+            return reply
         except urllib.error.HTTPError as e:
-            if e.code < 500:  # the request itself is wrong: retrying cannot help
+            if e.code < 500:
                 raise RuntimeError(f"reward server {url} rejected the request (HTTP {e.code}): "
-                                   f"{e.read()[:500].decode(errors='replace')}") from e
+                                   f"{one_line(e.read(500))}") from None
             last = e
-        except (urllib.error.URLError, OSError) as e:  # refused, unreachable, timeout
-            last = e
+        except (urllib.error.URLError, OSError) as e:
+            if isinstance(getattr(e, "reason", e), ConnectionRefusedError):
+                raise RuntimeError(f"reward server {url} refused the connection (nothing listens there)") from None
+            last = e  # unreachable, reset, timeout: maybe transient
         if attempt < retries:
             time.sleep(2**attempt)
-    raise RuntimeError(f"reward server {url} failed after {retries + 1} tries ({timeout:g}s timeout each): {last}")
+    raise RuntimeError(f"reward server {url} failed after {retries + 1} tries ({timeout:g}s timeout each): "
+                       f"{one_line(last)}")
+
+
+def probe(url: str, timeout: float = 3.0):
+    """At build time, before any model loads: one TCP connect to the URL's host:port (nothing is sent)."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("not an http(s)://host:port URL")
+        socket.create_connection((parts.hostname, parts.port or {"https": 443}.get(parts.scheme, 80)), timeout).close()
+    except (OSError, ValueError) as e:
+        raise ValueError(f"reward server {url} is not reachable: {one_line(getattr(e, 'strerror', None) or e)} "
+                         f"(is the server running there?)") from None
+
+
+class PlainData(pickle.Unpickler):
+    """Builds dict, list, tuple, set, str, bytes, int, float, bool and None only: every class or function lookup
+    (the way a pickle runs code) is refused. Upstream's GenEval server replies with lists and dicts of Python floats
+    (yifan123/reward-server app_geneval.py, reward_server/gen_eval.py::compute_geneval): no numpy needed."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"it references {module}.{name}; only plain data is accepted")
+
+
+def numbers(values, n: int) -> torch.Tensor:
+    """values as float32 (n,), or ValueError for a wrong length or type or a non-finite value."""
+    out = torch.tensor(values, dtype=torch.float32)
+    if out.shape != (n,) or not out.isfinite().all():
+        raise ValueError(f"expected {n} finite numbers, got {one_line(repr(values), 120)}")
+    return out
+
+
+def read_reply(url: str, parse):
+    """parse() with any failure as one line naming the URL: a malformed reply is an error, not a traceback."""
+    try:
+        return parse()
+    except Exception as e:
+        raise RuntimeError(f"reward server {url} sent a malformed reply ({type(e).__name__}: {one_line(e)})") from None
 
 
 def floats(values) -> torch.Tensor:
@@ -105,9 +163,18 @@ def ocr_score(recognised: str, target: str) -> float:
     return 1.0 - dist / len(target)
 
 
-def ocr(workers: int = 8):
-    """PP-OCR (rapidocr-onnxruntime, weights inside the wheel, CPU) accuracy of the quoted text of each prompt."""
-    engine = require("rapidocr_onnxruntime", "rapidocr-onnxruntime", "ocr").RapidOCR()
+def ocr(workers: int = 8, rec_model: str = "", rec_keys: str = ""):
+    """PP-OCR (rapidocr-onnxruntime, weights inside the wheel, CPU) accuracy of the quoted text of each prompt.
+    Set up as upstream's `PaddleOCR(lang="en", use_angle_cls=False)` (flow_grpo/ocr.py; PaddleOCR 2.9.1 defaults in
+    tools/infer/utility.py): no angle classifier, detector resized to at most 960 px, box threshold 0.6, unclip 1.5,
+    no dilation, drop score 0.5. The wheel ships only the Chinese+English PP-OCRv4 recognizer (upstream: English
+    en_PP-OCRv4_rec); `rec_model`/`rec_keys`: a local English .onnx and its character list instead."""
+    paths = {"rec_model_path": rec_model, "rec_keys_path": rec_keys}
+    if missing := [path for path in paths.values() if path and not os.path.isfile(path)]:
+        raise ValueError(f"ocr reward: no such file {missing[0]!r} (rec_model / rec_keys)")
+    engine = require("rapidocr_onnxruntime", "rapidocr-onnxruntime", "ocr").RapidOCR(
+        use_cls=False, det_limit_side_len=960, det_limit_type="max", det_box_thresh=0.6, det_unclip_ratio=1.5,
+        det_use_dilation=False, text_score=0.5, **{k: v for k, v in paths.items() if v})
     pool = ThreadPoolExecutor(max_workers=int(workers))
 
     def read(img: Image.Image) -> str:
@@ -236,17 +303,20 @@ def geneval(url="http://127.0.0.1:18085", timeout=120.0, retries=5, batch_size=6
     timeout, retries, batch_size = float(timeout), int(retries), int(batch_size)
     if key not in ("scores", "rewards", "strict_rewards"):
         raise ValueError(f"geneval key must be scores, rewards or strict_rewards, not {key!r}")
+    probe(url)
 
     def fn(images, prompts, metadata):
         pil, scores, strict = to_pil(images), [], []
         for start in range(0, len(pil), batch_size):
-            body = pickle.dumps({"images": [encoded(img, "JPEG") for img in pil[start : start + batch_size]],
+            batch = pil[start : start + batch_size]
+            body = pickle.dumps({"images": [encoded(img, "JPEG") for img in batch],
                                  "meta_datas": list(metadata[start : start + batch_size]),
                                  "only_strict": key != "rewards"})
-            reply = pickle.loads(post(url, body, "application/octet-stream", timeout, retries))
-            scores += reply[key]
-            strict += reply.get("strict_rewards", reply["scores"])
-        return floats(scores), {"geneval_strict": floats(strict)}
+            raw = post(url, body, "application/octet-stream", timeout, retries)
+            reply = read_reply(url, lambda: PlainData(io.BytesIO(raw)).load())  # upstream pickles: read data only
+            scores.append(read_reply(url, lambda: numbers(reply[key], len(batch))))
+            strict.append(read_reply(url, lambda: numbers(reply.get("strict_rewards", reply["scores"]), len(batch))))
+        return torch.cat(scores), {"geneval_strict": torch.cat(strict)}
     return fn
 
 
@@ -258,6 +328,7 @@ YESNO_QUESTION = "Does this image match the description: \"{prompt}\"? Answer Ye
 
 def chat_reward(url, model, api_key, text, timeout, retries, workers, score_reply, resize=0, **extra):
     """Score each (image, prompt) by one OpenAI-compatible /chat/completions call; score_reply(json) -> float."""
+    probe(url)
     pool = ThreadPoolExecutor(max_workers=int(workers))
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
@@ -268,9 +339,9 @@ def chat_reward(url, model, api_key, text, timeout, retries, workers, score_repl
             {"type": "text", "text": text.format(prompt=prompt)}]}]}
         reply = post(url.rstrip("/") + "/chat/completions", json.dumps(body).encode(), "application/json",
                      float(timeout), int(retries), headers)
-        return score_reply(json.loads(reply))
+        return read_reply(url, lambda: numbers([score_reply(json.loads(reply))], 1)[0])
 
-    return lambda images, prompts, metadata: (floats(list(pool.map(score, to_pil(images), prompts))), {})
+    return lambda images, prompts, metadata: (torch.stack(list(pool.map(score, to_pil(images), prompts))), {})
 
 
 def vlm_judge(url="http://127.0.0.1:17140/v1", model="UnifiedReward-7b-v1.5", api_key="flowgrpo",
@@ -296,14 +367,26 @@ def vlm_yesno(url="http://127.0.0.1:17140/v1", model="Qwen/Qwen2.5-VL-7B-Instruc
                        logprobs=True, top_logprobs=int(top_logprobs))
 
 
-def remote(url="http://127.0.0.1:18090", timeout=300.0, retries=5):
-    """Any reward served by `python rewards.py --serve NAME` (JSON: base64 PNGs, prompts, metadata -> scores, info)."""
+def remote(url="http://127.0.0.1:18090", timeout=300.0, retries=5, token=""):
+    """Any reward served by `python rewards.py --serve NAME` (JSON: base64 PNGs, prompts, metadata -> scores, info);
+    `token`: the server's shared secret (default $REWARD_SERVER_TOKEN), checked once here by a GET."""
+    token = token or os.environ.get("REWARD_SERVER_TOKEN", "")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    probe(url)
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=min(float(timeout), 30)).close()
+    except urllib.error.HTTPError as e:
+        raise ValueError(f"reward server {url} refused us (HTTP {e.code}): {one_line(e.read(300))}") from None
+    except OSError as e:
+        raise ValueError(f"reward server {url} did not answer: {one_line(getattr(e, 'reason', e))}") from None
 
     def fn(images, prompts, metadata):
         pngs = [base64.b64encode(encoded(img, "PNG")).decode() for img in to_pil(images)]
         body = json.dumps({"images": pngs, "prompts": list(prompts), "metadata": list(metadata)}).encode()
-        reply = json.loads(post(url, body, "application/json", float(timeout), int(retries)))
-        return floats(reply["scores"]), {k: floats(v) for k, v in reply["info"].items()}
+        raw = post(url, body, "application/json", float(timeout), int(retries), headers)
+        reply = read_reply(url, lambda: json.loads(raw))
+        return read_reply(url, lambda: (numbers(reply["scores"], len(pngs)),
+                                        {str(k): numbers(v, len(pngs)) for k, v in dict(reply["info"]).items()}))
     return fn
 
 
@@ -418,40 +501,120 @@ def build_reward(spec: str, device="cpu"):
 
 
 # ---- reward server: `python rewards.py --serve SPEC --port N` answers the `remote` reward's JSON protocol ----
-def make_server(spec: str, host: str, port: int, device="cpu"):
+class Refused(Exception):
+    """(HTTP status, message): the server's answer to a request it will not score."""
+
+
+def make_server(spec: str, host: str = "127.0.0.1", port: int = 18090, device="cpu", token: str = "",
+                max_body_mb: float = 64.0, max_images: int = 256, max_pixels: int = 2048**2, timeout: float = 120.0):
+    """HTTP server of a reward spec. POST: JSON {images: [base64 PNG], prompts, metadata} -> {scores, info};
+    GET: {reward, limits} (the client's token check). With a `token`, every request needs `Authorization: Bearer
+    <token>` (401 missing, 403 wrong). Refused before anything is decoded: a body over `max_body_mb`, more than
+    `max_images` images, an image over `max_pixels` (413); a client slower than `timeout` s is dropped (408).
+    Requests are scored one at a time, and freed memory is handed back to the OS after each."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    fn = build_reward(spec, device=device)
+    fn, lock, max_body = build_reward(spec, device=device), threading.Lock(), int(max_body_mb * 2**20)
+    limits = {"max_body_mb": max_body_mb, "max_images": max_images, "max_pixels": max_pixels, "timeout": timeout}
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None) if os.name == "posix" else None  # glibc keeps freed heap
 
     class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.answer(lambda body: {"reward": spec, "limits": limits})
+
         def do_POST(self):
+            self.answer(lambda body: self.score(json.loads(body)))
+
+        def answer(self, work):
+            deadline, length = time.monotonic() + timeout, self.headers.get("Content-Length", "0")
             try:
-                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                images = [Image.open(io.BytesIO(base64.b64decode(b))).convert("RGB") for b in request["images"]]
-                scores, info = fn(images, request["prompts"], request["metadata"])
-                body, status = json.dumps({"scores": scores.tolist(),
-                                           "info": {k: v.tolist() for k, v in info.items()}}).encode(), 200
+                if not length.isdigit():
+                    raise Refused(400, f"bad Content-Length {length!r}")
+                try:
+                    given = self.headers.get("Authorization", "")
+                    if token and not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                        raise Refused(403, "wrong token") if given else Refused(
+                            401, "this reward server needs a token: remote[token=...] or $REWARD_SERVER_TOKEN")
+                    if int(length) > max_body:
+                        raise Refused(413, f"request body of {int(length) / 2**20:.1f} MiB is over this server's "
+                                           f"limit of {max_body_mb:g} MiB (--max-body-mb)")
+                except Refused:
+                    self.read(-int(length), deadline)  # discard the body so that the client reads the answer
+                    raise
+                status, payload = 200, work(self.read(int(length), deadline))
+            except Refused as e:
+                status, payload = e.args[0], {"error": e.args[1]}
             except Exception as e:  # the client sees the reason, not a dropped connection
-                body, status = json.dumps({"error": repr(e)}).encode(), 400
+                status, payload = 400, {"error": one_line(repr(e), 1000)}
+            if trim:
+                trim(0)  # the request's images are gone by now: memory returns to its baseline
+            body = json.dumps(payload).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
+            self.send_header("Connection", "close")  # HTTP/1.0: one request per connection
+            self.close_connection = True
             self.end_headers()
             self.wfile.write(body)
+
+        def read(self, n: int, deadline: float) -> bytes:
+            """n bytes of body (with n < 0: -n bytes discarded), or Refused(408) past the deadline."""
+            chunks, left = [], abs(n)
+            while left > 0:
+                try:
+                    chunk = self.rfile.read1(min(left, 1 << 20))
+                except TimeoutError:
+                    chunk = b""
+                if not chunk or time.monotonic() > deadline:
+                    raise Refused(408, f"request body not received within {timeout:g} s")
+                left -= len(chunk)
+                chunks.append(chunk) if n > 0 else None
+            return b"".join(chunks)
+
+        def score(self, request) -> dict:
+            images, prompts, metadata = (list(request[key]) for key in ("images", "prompts", "metadata"))
+            if len(images) > max_images:
+                raise Refused(413, f"{len(images)} images is over this server's limit of {max_images} (--max-images)")
+            try:  # Image.open reads the header only: sizes are checked before any pixel is decoded
+                opened = [Image.open(io.BytesIO(base64.b64decode(b, validate=True)), formats=["PNG"]) for b in images]
+            except Image.DecompressionBombError as e:
+                raise Refused(413, one_line(e)) from None
+            for i, img in enumerate(opened):
+                if img.width * img.height > max_pixels:
+                    raise Refused(413, f"image {i} has {img.width}x{img.height} pixels, over this server's limit of "
+                                       f"{max_pixels} (--max-pixels)")
+            with lock:  # one request's images in memory at a time
+                scores, info = fn([img.convert("RGB") for img in opened], prompts, metadata)
+            return {"scores": scores.tolist(), "info": {k: v.tolist() for k, v in info.items()}}
 
         def log_message(self, *args):
             pass
 
+    Handler.timeout = timeout  # socket timeout of every read and write; the body also has a total deadline
     return ThreadingHTTPServer((host, port), Handler)
 
 
+def serve(serve: str, host: str = "127.0.0.1", port: int = 18090, token: str = "", max_body_mb: float = 64.0,
+          max_images: int = 256, max_pixels: int = 2048 * 2048, timeout: float = 120.0,
+          device: str = "cuda" if torch.cuda.is_available() else "cpu"):
+    """Serve the reward spec `--serve` (e.g. hpsv2, or 'ocr=1,pickscore=0.5') for `--reward remote[url=...]`.
+
+    Args:
+        host: address to bind: loopback by default; 0.0.0.0 opens the server to the network (set a token then).
+        token: shared secret every request must carry (default $REWARD_SERVER_TOKEN, which keeps it out of ps).
+        max_body_mb: largest request body accepted (MiB).
+        max_images: most images in one request.
+        max_pixels: most pixels (width x height) of one image.
+        timeout: seconds a client may take to send its request.
+    """
+    token = token or os.environ.get("REWARD_SERVER_TOKEN", "")
+    server = make_server(serve, host, port, device, token, max_body_mb, max_images, max_pixels, timeout)
+    print(f"serving reward {serve!r} on http://{host}:{server.server_address[1]} "
+          f"({'token required' if token else 'no token'})", flush=True)
+    if not token and host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: {host} is reachable from other machines and no token is set", flush=True)
+    server.serve_forever()
+
+
 if __name__ == "__main__":
-    import tyro
-
-    def serve(serve: str, host: str = "0.0.0.0", port: int = 18090,
-              device: str = "cuda" if torch.cuda.is_available() else "cpu"):
-        """Serve the reward spec `--serve` (e.g. hpsv2, or 'ocr=1,pickscore=0.5') for `--reward remote[url=...]`."""
-        print(f"serving reward {serve!r} on http://{host}:{port}", flush=True)
-        make_server(serve, host, port, device).serve_forever()
-
-    tyro.cli(serve)
+    importlib.import_module("tyro").cli(serve)

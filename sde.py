@@ -95,8 +95,9 @@ def sde_step(
               std = sigma_next * sin(noise_level * pi / 2), mean = (1 - sigma_next) x0_hat + sqrt(sigma_next^2 - std^2) eps_hat.
               log_prob = -mean((x' - mean)^2) EXACTLY as upstream: constants AND the 1/(2 std^2) are dropped, so the
               PPO clip range tuned upstream for CPS (1e-5) carries over, but this is not a normalised density.
+              Also at std = 0 (sigma_next = 0): a given prev_sample still gets -mean((x' - mean)^2) and its gradient.
     - 'ode'   Euler: mean = x + v dt, prev_sample = mean, log_prob = 0, std = 0.
-    A step whose std is 0 ('ode', or noise_level 0) is deterministic: prev_sample = mean and log_prob = 0.
+    A step whose std is 0 ('ode', or noise_level 0) is deterministic: prev_sample = mean and log_prob = 0 (but 'cps').
     """
     v, x = v.float(), x.float()
     s = _per_sample(sigma, x)
@@ -130,10 +131,10 @@ def sde_step(
             prev_sample = mean + std * torch.randn(x.shape, generator=generator, device=noise_device).to(x.device)
     prev_sample = prev_sample.float()
 
-    if deterministic:
-        log_prob = torch.zeros(x.shape[0], device=x.device)
-    elif kind == "cps":
+    if kind == "cps":  # upstream even where std = 0 (flow_grpo sd3_sde_with_logprob.py, sde_type='cps')
         log_prob = -_mean_over_elements((prev_sample.detach() - mean) ** 2)
+    elif deterministic:
+        log_prob = torch.zeros(x.shape[0], device=x.device)
     else:
         log_prob = gaussian_log_prob(prev_sample.detach(), mean, std)
     return prev_sample, log_prob, mean, std

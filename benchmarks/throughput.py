@@ -5,7 +5,7 @@ below) with random weights; `--arch tiny` uses tests/tiny.py's pipeline (CPU: on
 Text encoders are not needed: every measurement feeds random prompt embeddings of the real shapes.
 
     python benchmarks/throughput.py --arch tiny --device cpu                  # ratios, seconds on a laptop
-    python benchmarks/throughput.py --arch sd35m --device cuda --variants base grad-ckpt compile   # on a GPU
+    python benchmarks/throughput.py --arch sd35m --device cuda --variants base nocast compile compile+nocast sac
 
 Measured in one run, so ratios compare like with like:
 - rollout: images/s of grpo_sd35.rollout + decode vs StableDiffusion3Pipeline.__call__ (same batch, steps, CFG,
@@ -16,21 +16,32 @@ Measured in one run, so ratios compare like with like:
   old/anchor/teacher velocities), the common cost shape of those scripts;
 - MFU: FLOPs counted by torch.utils.flop_counter on the very same calls, over time, against a dense matmul peak
   measured in this run on this device with the same dtype;
-- options: base weights in fp32 instead of bf16, gradient checkpointing, torch.compile (and whether the on-policy
-  ratio stays exactly 1 when both rollout and training run the compiled model).
+- variants: '+'-joined modifiers (MODIFIERS below: regional torch.compile, SDPA backend, peft's LoRA input cast,
+  LoRA off, full / selective / every-third-block activation checkpointing, base dtype), each with its on-policy
+  exactness: the first GRPO micro-step's max |ratio - 1| against a rollout run in the same mode, and the
+  forward-process step's max |v - v_old| between its no-grad and grad forwards of the same weights;
+- model FLOPs are counted once per build, eagerly and without recomputation, so MFU never credits a
+  checkpointing variant for its recompute; "compile s" = the warm-up calls' extra seconds over the timed ones.
 """
 
+import contextlib
+import functools
+import json
 import os
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Literal
 
 import torch
 import tyro
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 from peft import LoraConfig
+from peft.helpers import disable_input_dtype_casting
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 from torch.utils.flop_counter import FlopCounterMode
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,6 +58,21 @@ SD3_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_chan
                down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
                layers_per_block=2, norm_num_groups=32, sample_size=1024, scaling_factor=1.5305, shift_factor=0.0609,
                use_quant_conv=False, use_post_quant_conv=False)
+
+
+MODIFIERS = {
+    "base": "eager, PyTorch's default attention backend, peft's fp32 cast of every LoRA input (the scripts' setting)",
+    "other-dtype": "frozen base weights in the other dtype (bf16 <-> fp32)",
+    "compile": "regional torch.compile: every transformer block compiled on its own (identical blocks share code)",
+    "attn-flash": "SDPA restricted to the flash-attention backend",
+    "attn-cudnn": "SDPA restricted to the cuDNN backend",
+    "attn-efficient": "SDPA restricted to the memory-efficient backend",
+    "nocast": "peft.helpers.disable_input_dtype_casting: LoRA inputs stay bf16 (autocast casts them to bf16 anyway)",
+    "nolora": "rollout with the LoRA switched off: what peft's extra matmuls cost (rollout only)",
+    "grad-ckpt": "diffusers' gradient checkpointing of every block",
+    "sac": "selective activation checkpointing of every block: keep matmul/attention outputs, recompute the rest",
+    "ckpt-every3": "full activation checkpointing of every third block (8 of 24)",
+}
 
 
 @dataclass
@@ -72,14 +98,20 @@ class Args:
     repeats: int = 3
     """timed repeats after one warm-up (the median is reported)"""
     variants: list[str] = field(default_factory=lambda: ["base", "other-dtype", "grad-ckpt"])
-    """settings to measure: base (--dtype), other-dtype (bf16 <-> fp32 base weights), grad-ckpt, compile"""
+    """settings to measure, each a '+'-joined list of modifiers (e.g. compile+nocast); see MODIFIERS"""
+    log: str | None = None
+    """append one JSON line per variant (all numbers, warm-up times) to this file"""
 
 
 def timed(fn, repeats: int, device) -> float:
     """Median seconds of fn() after one warm-up call."""
-    fn()
+    return timed_first(fn, repeats, device)[0]
+
+
+def timed_first(fn, repeats: int, device) -> tuple[float, float]:
+    """(median seconds of fn() over `repeats` calls, seconds of the warm-up call before them)."""
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -87,7 +119,8 @@ def timed(fn, repeats: int, device) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    rest = sorted(times[1:])
+    return rest[len(rest) // 2], times[0]
 
 
 def flops_of(fn) -> int:
@@ -129,98 +162,209 @@ def build(args, device, dtype):
     return pipe, lora
 
 
+# ops whose outputs selective activation checkpointing keeps; everything else is recomputed in the backward
+SAC_SAVE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten._scaled_dot_product_flash_attention.default,
+            torch.ops.aten._scaled_dot_product_efficient_attention.default,
+            torch.ops.aten._scaled_dot_product_cudnn_attention.default}
+
+
+def sac_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in SAC_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_blocks(transformer, every: int, selective: bool):
+    """Wrap every `every`-th transformer block's forward in non-reentrant activation checkpointing (with the SAC
+    policy above if `selective`) while grad is on. Returns a function that undoes it."""
+    wrapped = []
+    for block in transformer.transformer_blocks[::every]:
+        def forward(*a, _forward=block.forward, **k):
+            if not torch.is_grad_enabled():
+                return _forward(*a, **k)
+            context = functools.partial(create_selective_checkpoint_contexts, sac_policy) if selective else noop_context_fn
+            return checkpoint(_forward, *a, use_reentrant=False, context_fn=context, **k)
+
+        block.forward = forward
+        wrapped.append(block)
+    return lambda: [delattr(b, "forward") for b in wrapped]
+
+
+def compile_blocks(transformer):
+    """Regional compilation: each repeated transformer block compiled in place; blocks of one structure share the
+    compiled code (parameters are graph inputs), so compile time does not grow with depth."""
+    for name, limit in (("recompile_limit", 64), ("accumulated_recompile_limit", 4096)):
+        setattr(torch._dynamo.config, name, limit)  # grad on/off x LoRA on/off x batch x 3 block kinds
+    torch._dynamo.config.automatic_dynamic_shapes = False  # static shapes per batch size: no dynamic kernels
+    for block in transformer.transformer_blocks:
+        block.compile()
+
+
+def setup(args, device, base_dtype):
+    """Model, inputs and everything measured once per build: matmul peak, diffusers' eager pipeline, model FLOPs."""
+    dtype = torch.bfloat16 if base_dtype == "bf16" else torch.float32
+    pipe, lora = build(args, device, dtype)
+    tr = pipe.transformer
+    res = args.resolution or (512 if args.arch == "sd35m" else 32)
+    h, B, cfg = res // pipe.vae_scale_factor, args.batch_size, tr.config
+    gen = torch.Generator(device).manual_seed(0)
+    S = SimpleNamespace(pipe=pipe, tr=tr, lora=lora, dtype=dtype, base_dtype=base_dtype, gen=gen, compiled=False,
+                        autocast=torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32))
+    S.noise = torch.randn(B, cfg.in_channels, h, h, device=device, generator=gen)
+    S.embeds = torch.randn(B, args.text_tokens, cfg.joint_attention_dim, device=device, dtype=dtype, generator=gen)
+    S.pooled = torch.randn(B, cfg.pooled_projection_dim, device=device, dtype=dtype, generator=gen)
+    S.neg = (S.embeds[:1].clone(), S.pooled[:1].clone())
+    pipe.scheduler.set_timesteps(args.num_steps, device=device)
+    S.sigmas = pipe.scheduler.sigmas.float()
+
+    def diffusers_call():
+        latents = pipe(prompt_embeds=S.embeds, pooled_prompt_embeds=S.pooled,
+                       negative_prompt_embeds=S.neg[0].expand_as(S.embeds),
+                       negative_pooled_prompt_embeds=S.neg[1].expand_as(S.pooled), latents=S.noise.to(dtype),
+                       height=res, width=res, num_inference_steps=args.num_steps, guidance_scale=args.guidance_scale,
+                       output_type="latent").images
+        return decode(pipe.vae, latents)  # the same fp32 decode as ours (the pipeline would decode in its dtype)
+
+    S.peak = matmul_peak(device, dtype)
+    S.t_diffusers = timed(diffusers_call, args.repeats, device)
+    steps = make_steps(args, S)
+    count = device.type == "cuda"  # tiny CPU matmuls make a peak-based MFU meaningless
+    steps["rollout"]()  # sets S.latents / S.old_lp for the training steps
+    S.flops = {k: flops_of(fn) if count else None for k, fn in steps.items()}  # model FLOPs: eager, no recompute
+    for p in lora:
+        p.grad = None
+    print(f"\n{args.arch} base={base_dtype}: diffusers StableDiffusion3Pipeline (eager) {B / S.t_diffusers:.3g} img/s; "
+          f"bf16 matmul peak {S.peak / 1e12:.0f} TFLOP/s" if count else "", flush=True)
+    return S
+
+
+def make_steps(args, S):
+    """The three measured calls, reading the current S (rollout writes S.latents and S.old_lp)."""
+    tr, autocast, g = S.tr, S.autocast, args.guidance_scale
+
+    def ours():
+        S.latents, S.old_lp = rollout(tr, S.noise, S.sigmas, "flow", 0.7, S.embeds, S.pooled, *S.neg, g, autocast,
+                                      S.gen)
+        return decode(S.pipe.vae, S.latents[:, -1])
+
+    def grpo_step():
+        latents, sigmas = S.latents, S.sigmas
+        with autocast:
+            v = predict_velocity(tr, latents[:, 0], sigmas[0], S.embeds, S.pooled, *S.neg, g)
+        _, lp, mean, _ = sde_step(v, latents[:, 0], sigmas[0], sigmas[1], "flow", 0.7, prev_sample=latents[:, 1],
+                                  sigma_max=sigmas[1])
+        with torch.no_grad(), adapters_disabled(tr), autocast:
+            v_ref = predict_velocity(tr, latents[:, 0], sigmas[0], S.embeds, S.pooled, *S.neg, g)
+        loss = -torch.exp(lp - S.old_lp[:, 0]).mean() + ((v - v_ref) ** 2).mean()
+        loss.backward()
+        return lp
+
+    def forward_process_step():
+        xt = 0.5 * S.latents[:, -1] + 0.5 * S.noise
+        with torch.no_grad(), autocast:
+            v_old = predict_velocity(tr, xt, 0.5, S.embeds, S.pooled, *S.neg, 1.0)
+            with adapters_disabled(tr):
+                v_ref = predict_velocity(tr, xt, 0.5, S.embeds, S.pooled, *S.neg, 1.0)
+        with autocast:
+            v = predict_velocity(tr, xt, 0.5, S.embeds, S.pooled, *S.neg, 1.0)
+        (((v - v_old) ** 2).mean() + ((v - v_ref) ** 2).mean()).backward()
+        return (v.detach() - v_old).abs().max()  # on-policy: the same weights with and without grad
+
+    return {"rollout": ours, "grpo": grpo_step, "fwd": forward_process_step}
+
+
+def measure(args, device, S, mods: list[str]) -> dict:
+    """Time the rollout and both training steps with the modifiers on; every field of the result table."""
+    tr, B, nan = S.tr, args.batch_size, float("nan")
+    steps = make_steps(args, S)
+    with contextlib.ExitStack() as stack:
+        if "compile" in mods and not S.compiled:
+            compile_blocks(tr)
+            S.compiled = True
+        if S.compiled and "compile" not in mods:
+            stack.enter_context(torch.compiler.set_stance("force_eager"))
+        for m in mods:
+            if m.startswith("attn-"):
+                stack.enter_context(sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                                                 "efficient": SDPBackend.EFFICIENT_ATTENTION}[m[5:]]))
+        if "nocast" in mods:
+            stack.enter_context(disable_input_dtype_casting(tr))
+        if "grad-ckpt" in mods:
+            tr.enable_gradient_checkpointing()
+            stack.callback(tr.disable_gradient_checkpointing)
+        if "sac" in mods or "ckpt-every3" in mods:
+            stack.callback(checkpoint_blocks(tr, 1 if "sac" in mods else 3, selective="sac" in mods))
+        if "nolora" in mods:
+            stack.enter_context(adapters_disabled(tr))
+        r = {"rollout_s": None}
+        r["rollout_s"], r["rollout_first_s"] = timed_first(steps["rollout"], args.repeats, device)
+        if "nolora" in mods:  # no trainable parameters: nothing to train
+            return r
+        for key in ("grpo", "fwd"):
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            try:
+                r[f"{key}_s"], r[f"{key}_first_s"] = timed_first(steps[key], args.repeats, device)
+                r[f"{key}_gib"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else nan
+                out = steps[key]().detach()
+                r[f"{key}_dev"] = ((torch.exp(out - S.old_lp[:, 0]) - 1).abs().max() if key == "grpo" else out).item()
+            except torch.OutOfMemoryError:  # reported as such: the paper micro-batch may need checkpointing
+                r[f"{key}_s"] = r[f"{key}_gib"] = float("inf")
+                torch.cuda.empty_cache()
+            for p in S.lora:
+                p.grad = None
+    return r
+
+
 def main(args: Args):
     device = torch.device(args.device)
+    for v in args.variants:
+        bad = [m for m in v.split("+") if m not in MODIFIERS]
+        if bad:
+            raise SystemExit(f"error: unknown modifier(s) {bad} in variant {v!r}; known: {', '.join(MODIFIERS)}")
     res = args.resolution or (512 if args.arch == "sd35m" else 32)
     print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; torch {torch.__version__}; "
-          f"batch {args.batch_size}, {res} px, {args.num_steps} steps, CFG {args.guidance_scale}\n")
-    print("| setting | rollout img/s (ours) | rollout img/s (diffusers) | time ours/diffusers | GRPO step samples/s | "
-          "GRPO step peak GiB | fwd-process step samples/s | rollout MFU | GRPO step MFU | on-policy max abs(ratio-1) |")
-    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          f"batch {args.batch_size}, {res} px, {args.num_steps} steps, CFG {args.guidance_scale}", flush=True)
+    table = ["| setting | rollout img/s | time ours/diffusers | rollout MFU | GRPO step samples/s | GRPO step peak GiB | "
+             "GRPO step MFU | on-policy max abs(ratio-1) | fwd-process samples/s | fwd-process peak GiB | "
+             "fwd-process MFU | fwd-process max abs(v-v_old) | compile s |", "|" + "---|" * 13]
+    S, B = None, args.batch_size
     other = "fp32" if args.dtype == "bf16" else "bf16"
-    settings = {"base": (args.dtype, False, False), "other-dtype": (other, False, False),
-                "grad-ckpt": (args.dtype, True, False), "compile": (args.dtype, False, True)}
-    variants = [settings[v] for v in args.variants]
-    for base_dtype, checkpointing, compiled in variants:  # (base weight dtype, gradient checkpointing, torch.compile)
-        dtype = torch.bfloat16 if base_dtype == "bf16" else torch.float32
-        pipe, lora = build(args, device, dtype)
-        tr = pipe.transformer
-        if checkpointing:
-            tr.enable_gradient_checkpointing()
-        model = torch.compile(tr) if compiled else tr
-        autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-        cfg = tr.config
-        h = res // pipe.vae_scale_factor
-        B = args.batch_size
-        gen = torch.Generator(device).manual_seed(0)
-        noise = torch.randn(B, cfg.in_channels, h, h, device=device, generator=gen)
-        embeds = torch.randn(B, args.text_tokens, cfg.joint_attention_dim, device=device, dtype=dtype, generator=gen)
-        pooled = torch.randn(B, cfg.pooled_projection_dim, device=device, dtype=dtype, generator=gen)
-        neg = (embeds[:1].clone(), pooled[:1].clone())
-        pipe.scheduler.set_timesteps(args.num_steps, device=device)
-        sigmas = pipe.scheduler.sigmas.float()
-
-        def ours():
-            latents, _ = rollout(model, noise, sigmas, "flow", 0.7, embeds, pooled, *neg, args.guidance_scale,
-                                 autocast, gen)
-            return decode(pipe.vae, latents[:, -1])
-
-        def diffusers_call():
-            latents = pipe(prompt_embeds=embeds, pooled_prompt_embeds=pooled, negative_prompt_embeds=neg[0].expand_as(embeds),
-                        negative_pooled_prompt_embeds=neg[1].expand_as(pooled), latents=noise.to(dtype), height=res,
-                        width=res, num_inference_steps=args.num_steps, guidance_scale=args.guidance_scale,
-                        output_type="latent").images
-            return decode(pipe.vae, latents)  # the same fp32 decode as ours (the pipeline would decode in its dtype)
-
-        latents, old_lp = rollout(model, noise, sigmas, "flow", 0.7, embeds, pooled, *neg, args.guidance_scale,
-                                  autocast, gen)
-
-        def grpo_step():
-            with autocast:
-                v = predict_velocity(model, latents[:, 0], sigmas[0], embeds, pooled, *neg, args.guidance_scale)
-            _, lp, mean, _ = sde_step(v, latents[:, 0], sigmas[0], sigmas[1], "flow", 0.7, prev_sample=latents[:, 1],
-                                      sigma_max=sigmas[1])
-            with torch.no_grad(), adapters_disabled(tr), autocast:
-                v_ref = predict_velocity(model, latents[:, 0], sigmas[0], embeds, pooled, *neg, args.guidance_scale)
-            loss = -torch.exp(lp - old_lp[:, 0]).mean() + ((v - v_ref) ** 2).mean()
-            loss.backward()
-            return lp
-
-        def forward_process_step():
-            xt = 0.5 * latents[:, -1] + 0.5 * noise
-            with torch.no_grad(), autocast:
-                v_old = predict_velocity(model, xt, 0.5, embeds, pooled, *neg, 1.0)
-                with adapters_disabled(tr):
-                    v_ref = predict_velocity(model, xt, 0.5, embeds, pooled, *neg, 1.0)
-            with autocast:
-                v = predict_velocity(model, xt, 0.5, embeds, pooled, *neg, 1.0)
-            (((v - v_old) ** 2).mean() + ((v - v_ref) ** 2).mean()).backward()
-
-        label = f"{args.arch} base={base_dtype}" + (" +grad-ckpt" if checkpointing else "") + (" +compile" if compiled else "")
-        peak = matmul_peak(device, dtype)
-        t_ours, t_diff = timed(ours, args.repeats, device), timed(diffusers_call, args.repeats, device)
-        count_flops = device.type == "cuda" and not compiled  # tiny CPU matmuls make a peak-based MFU meaningless
-        rollout_flops = flops_of(ours) if count_flops else None
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+    for variant in args.variants:
+        mods = variant.split("+")
+        base_dtype = other if "other-dtype" in mods else args.dtype
+        if S is None or S.base_dtype != base_dtype:
+            S = None
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+            S = setup(args, device, base_dtype)
+        label = f"{args.arch} base={base_dtype}" + "".join(f" +{m}" for m in mods if m not in ("base", "other-dtype"))
         try:
-            t_grpo = timed(grpo_step, args.repeats, device)
-            mem_grpo = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-            grpo_flops = flops_of(grpo_step) if count_flops else None
-            ratio_dev = (torch.exp(grpo_step().detach() - old_lp[:, 0]) - 1).abs().max().item()
-        except torch.OutOfMemoryError:  # reported as such: the paper micro-batch may need --gradient-checkpointing
-            t_grpo, mem_grpo, grpo_flops, ratio_dev = float("inf"), float("inf"), None, float("nan")
-            for p in lora:
+            r = measure(args, device, S, mods)
+        except Exception as e:  # one failing lever must not cost the other rows of a lent-GPU run
+            print(f"| {label} | failed: {type(e).__name__}: {str(e)[:300]} |", flush=True)
+            table.append(f"| {label} | failed: {type(e).__name__} |")
+            for p in S.lora:
                 p.grad = None
-            torch.cuda.empty_cache()
-        t_fp = timed(forward_process_step, args.repeats, device)
-        for p in lora:
-            p.grad = None
-        r = (label, B / t_ours, B / t_diff, t_ours / t_diff, B / t_grpo, mem_grpo, B / t_fp,
-             rollout_flops / t_ours / peak if rollout_flops else float("nan"),
-             grpo_flops / t_grpo / peak if grpo_flops else float("nan"), ratio_dev)
-        print(f"| {r[0]} | {r[1]:.3g} | {r[2]:.3g} | {r[3]:.3f} | {r[4]:.3g} | {r[5]:.3g} | {r[6]:.3g} | {r[7]:.3g} | "
-              f"{r[8]:.3g} | {r[9]:.1e} |", flush=True)
+            continue
+        f, nan = S.flops, float("nan")
+
+        def per_s(key):
+            return B / r[key] if r.get(key) else nan
+
+        def mfu(key):
+            return f[key] / r[f"{key}_s"] / S.peak if f[key] and r.get(f"{key}_s") else nan
+
+        compile_s = sum(r[k] - r[k.replace("_first", "")] for k in r if k.endswith("_first_s")) if "compile" in mods else nan
+        row = (f"| {label} | {per_s('rollout_s'):.3g} | {r['rollout_s'] / S.t_diffusers:.3f} | {mfu('rollout'):.3g} | "
+               f"{per_s('grpo_s'):.3g} | {r.get('grpo_gib', nan):.3g} | {mfu('grpo'):.3g} | {r.get('grpo_dev', nan):.1e} | "
+               f"{per_s('fwd_s'):.3g} | {r.get('fwd_gib', nan):.3g} | {mfu('fwd'):.3g} | {r.get('fwd_dev', nan):.1e} | "
+               f"{compile_s:.0f} |")
+        print(row, flush=True)
+        table.append(row)
+        if args.log:
+            with open(args.log, "a") as fh:
+                fh.write(json.dumps(dict(variant=variant, label=label, diffusers_s=S.t_diffusers, peak=S.peak,
+                                         flops=S.flops, **r)) + "\n")
+    print("\n" + "\n".join(table))
 
 
 if __name__ == "__main__":

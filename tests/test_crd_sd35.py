@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from crd_sd35 import blend_snapshot, crd_implicit_reward, crd_kl, crd_loss, snapshot_decay, train_timestep_indices
+from crd_sd35 import (blend_snapshot, crd_implicit_reward, crd_kl, crd_loss, sigma_grid, snapshot_decay,
+                       train_timestep_indices)
 from scripts_harness import (TOY_REWARD, assert_bad_input, assert_common_run, assert_eval_only_reproduces,
                              assert_reward_rose, lora_tensors, read_metrics, run_script, tiny_sd35_flags)
 
@@ -151,6 +152,19 @@ def test_train_timesteps_are_stratified_over_the_grid():
         assert all(math.floor(2.5 * j) <= i < math.ceil(2.5 * (j + 1)) for j, i in enumerate(idx.tolist()))
 
 
+def test_sigma_grid_is_the_ports_shifted_linspace():
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    grid = sigma_grid(10, 3.0)  # 3u / (1 + 2u) of u = 1, 0.9, ..., 0.1: 1.0, 27/28 = 0.964, ..., 0.4286, 0.25, then 0
+    assert grid.shape == (11,) and grid[0] == 1.0 and grid[-1] == 0.0
+    assert grid[[1, 8, 9]].tolist() == pytest.approx([27 / 28, 0.6 / 1.4, 0.25], abs=1e-6)
+    assert sigma_grid(40, 3.0)[-2].item() == pytest.approx(0.075 / 1.05, abs=1e-6)  # the eval grid ends at 0.071
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)  # what the port hands the SD3 scheduler
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / 10, 10))
+    assert torch.allclose(grid, scheduler.sigmas.float(), atol=1e-6)
+
+
 # ---- end to end ----------------------------------------------------------------------------------------------------
 def flags(model, out, *extra, precision="no"):
     return tiny_sd35_flags(model, out, precision) + ["--kl-beta", "0.1", "--num-train-timesteps", "4", *extra]
@@ -178,12 +192,27 @@ def test_one_process_run_snapshots_follow_their_schedules(one_process_run):
     assert all(torch.equal(s, c) for s, c in zip(sampling, lora))  # decay 0: the sampler is a hard copy
     assert any(o.abs().sum() > 0 for o in old[1::2])  # the old adapter moved off its zero-initialised B
     assert any(not torch.equal(o, c) for o, c in zip(old, lora))  # decay > 0: a soft copy that lags
+    ema = torch.load(ckpt / "state.pt", map_location="cpu")["ema"]
+    assert all(e.abs().sum() == 0 for e in ema[1::2])  # EMA every 10 epochs (the port): still the initial B = 0
+
+
+def test_run_trains_on_the_ports_grid(tiny_sd3, tmp_path):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    proc = run_script(SCRIPT, flags(tiny_sd3, tmp_path, "--epochs", "1", "--num-train-timesteps", "6",
+                                    "--save-every", "9"), check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notes = [x for x in proc.stdout.splitlines() if x.startswith("note: --num-train-timesteps 6 > 4 eligible")]
+    assert len(notes) == 1  # said once, at start
+    shift = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_sd3, subfolder="scheduler").config.shift
+    want = ", ".join(str(round(x, 4)) for x in sigma_grid(4, shift)[:-1].tolist())  # the tiny flags' --num-steps 4
+    assert notes[0].split("[")[1].split("]")[0] == want
 
 
 def test_frozen_old_half_blended_sampler_and_batch_centering(tiny_sd3, tmp_path):
     run_dir = run_script(SCRIPT, flags(tiny_sd3, tmp_path, "--epochs", "1", "--old-decay", "0-1-0-1",
                                        "--sampling-decay", "0-0.5-0-0.5", "--center-by", "batch", "--batch-size", "8",
-                                       "--updates-per-epoch", "1"))
+                                       "--updates-per-epoch", "1", "--ema-every", "1"))
     (metrics,) = assert_common_run(run_dir, epochs=1)
     assert metrics["charts/old_decay"] == 1.0 and metrics["charts/sampling_decay"] == 0.5
     ckpt = run_dir / "checkpoints" / "epoch_00001"
@@ -191,6 +220,9 @@ def test_frozen_old_half_blended_sampler_and_batch_centering(tiny_sd3, tmp_path)
     assert all(o.abs().sum() == 0 for o in old[1::2])  # frozen at the initial LoRA (B = 0)
     # the sampler started at the same initial LoRA: 0.5 initial + 0.5 current
     assert all(torch.allclose(s, 0.5 * o + 0.5 * c, atol=1e-7) for s, o, c in zip(sampling, old, lora))
+    # --ema-every 1: after epoch 0 the power warm-up gives decay min(0.995, 1 / 10): EMA = 0.1 initial + 0.9 current
+    ema = torch.load(ckpt / "state.pt", map_location="cpu")["ema"]
+    assert all(torch.allclose(e, 0.1 * o + 0.9 * c, atol=1e-7) for e, o, c in zip(ema, old, lora))
 
 
 def test_resume_restores_all_three_lora_states(tiny_sd3, tmp_path, one_process_run):

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from dance_grpo_flux import (dance_sigmas, group_advantages, grpo_loss, image_ids, predict_velocity, rollout,
-                             select_train_steps, unpack)
+from dance_grpo_flux import (dance_sigmas, draw_sde_window, group_advantages, grpo_loss, image_ids, predict_velocity,
+                             rollout, select_train_steps, unpack, window_rollout)
 from scripts_harness import (PROMPTS, TOY_REWARD, assert_bad_input, assert_common_run, assert_eval_only_reproduces,
                              lora_tensors, read_metrics, run_script)
 from sde import sde_step
@@ -112,6 +112,40 @@ def test_rollout_then_mixed_step_rescoring_gives_ratio_one(tiny_pipe):
     assert torch.allclose(log_prob, log_probs[rows, t], atol=1e-5, rtol=0)
 
 
+def test_sde_window_start_is_drawn_from_a_to_b_minus_k_inclusive():
+    draws = {draw_sde_window(2, (1, 5), 12, torch.Generator().manual_seed(s)) for s in range(100)}
+    assert draws == {(1, 3), (2, 4), (3, 5)}  # start in 1..5-2, both ends included; the window stays inside [1, 5)
+    assert draw_sde_window(0, (1, 5), 12, None) == (0, 12)  # no window: every step is SDE (the paper's run)
+
+
+@pytest.mark.parametrize("window", [(1, 3), (0, 2), (2, 4)])
+def test_window_rollout_is_dance_sde_inside_and_ode_outside(tiny_pipe, window):
+    from contextlib import nullcontext
+
+    pipe = tiny_pipe
+    embeds, pooled, text_ids = pipe.encode_prompt(["a cat", "a dog"], None, max_sequence_length=16)
+    cond, sigmas = (embeds, pooled, text_ids, image_ids(4, 4, "cpu")), dance_sigmas(4, 3.0)
+    noise = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(0))
+    (latents, log_probs, x0_hat), (latents_b, _, _) = [
+        window_rollout(pipe.transformer, noise, sigmas, window, 0.3, cond, 3.5, nullcontext(),
+                       torch.Generator().manual_seed(seed)) for seed in (0, 1)]
+    assert latents.shape == (2, 3, 16, 16) and log_probs.shape == (2, 2) and x0_hat.shape == (2, 16, 16)
+    before = noise if window[0] == 0 else rollout(pipe.transformer, noise, sigmas[: window[0] + 1], "ode", 0.0, *cond,
+                                                  3.5, nullcontext(), None)[0][:, -1]
+    assert torch.equal(latents[:, 0], before) and torch.equal(latents[:, 0], latents_b[:, 0])  # ODE before
+    assert not torch.allclose(latents[:, 1:], latents_b[:, 1:])  # SDE inside: the generator matters
+    if window[1] < 4:  # ODE after the window, from its last latent, gives the reward's x0_hat
+        after = rollout(pipe.transformer, latents[:, -1], sigmas[window[1] :], "ode", 0.0, *cond, 3.5, nullcontext(),
+                        None)
+        assert torch.equal(x0_hat, after[2])
+    with torch.no_grad():  # training re-scores the stored window steps exactly (on-policy ratio 1)
+        for j in range(2):
+            s = sigmas[window[0] + j : window[0] + j + 2]
+            v = predict_velocity(pipe.transformer, latents[:, j], s[0], *cond, 3.5)
+            log_prob = sde_step(v, latents[:, j], s[0], s[1], "dance", 0.3, prev_sample=latents[:, j + 1])[1]
+            assert torch.allclose(log_prob, log_probs[:, j], atol=1e-5, rtol=0)
+
+
 # ---- end to end ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def one_process_run(tiny_flux, tmp_path_factory):
@@ -124,6 +158,19 @@ def test_one_process_run(one_process_run):
         assert m["losses/on_policy_ratio_dev"] < 1e-3
         assert m["charts/global_step"] > 0 and math.isfinite(m["losses/approx_kl"])
     assert metrics[-1]["charts/global_step"] == 4  # 2 epochs x --updates-per-epoch 2
+
+
+def test_lora_starts_from_peft_default_init(one_process_run):
+    """A: Kaiming-uniform in +-1/sqrt(fan_in) (peft's default, upstream train_grpo_flux_lora.py), std 1/sqrt(3 fan_in);
+    "gaussian" would give std 1/rank. A few small AdamW steps later the spread is still the init's."""
+    from safetensors.torch import load_file
+
+    lora = load_file(one_process_run / "checkpoints" / "epoch_00001" / "lora" / "pytorch_lora_weights.safetensors")
+    a_mats = [t for k, t in lora.items() if "lora_A" in k]
+    assert a_mats
+    for a in a_mats:
+        bound = 1 / math.sqrt(a.shape[1])
+        assert a.abs().max() <= bound + 0.01 and a.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.25)
 
 
 def test_resume_matches_uninterrupted_run(tiny_flux, tmp_path, one_process_run):
@@ -156,7 +203,20 @@ def test_learning_brightness_rises(tiny_flux, tmp_path):
     assert sum(rewards[6:]) / 6 > sum(rewards[:2]) / 2, rewards
 
 
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_window_run_trains_only_the_window(tiny_flux, tmp_path, nproc):
+    flags = tiny_flux_flags(tiny_flux, tmp_path) + ["--epochs", "2", "--sde-window-size", "2", "--sde-window-range", "0",
+                                                     "3", "--batch-size", str(4 // nproc)]
+    proc = run_script(SCRIPT, flags, nproc=nproc, check=False)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "2 updates/epoch of 2 micro-steps each" in proc.stdout  # K = 2 steps, not int(3 x 0.6) = 1 random step
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    for m in assert_common_run(run_dir, epochs=2):
+        assert m["losses/on_policy_ratio_dev"] < 1e-6
+
+
 @pytest.mark.parametrize("flags,message", [
+    (["--sde-window-size", "3", "--sde-window-range", "0", "2"], "does not fit"),
     (["--train-prompts", "missing.txt"], "does not exist"),
     (["--reward", "no_such_reward"], "no_such_reward"),
     (["--model", "/nonexistent/model"], "neither an existing local path"),

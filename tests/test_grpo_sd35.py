@@ -1,13 +1,17 @@
 """grpo_sd35.py: hand-computed advantage/loss units, then end-to-end runs on the tiny offline SD3 pipeline."""
 
 import math
+from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 import torch
 
-from grpo_sd35 import compute_advantages, group_advantages, grpo_loss
+from grpo_sd35 import (compute_advantages, draw_sde_window, group_advantages, grpo_loss, predict_velocity,
+                       ratio_norm_log_ratio, rollout, window_rollout)
 from scripts_harness import (TOY_REWARD, assert_bad_input, assert_common_run, assert_eval_only_reproduces,
                              assert_reward_rose, lora_tensors, read_metrics, run_script, tiny_sd35_flags)
+from sde import gaussian_log_prob, sde_step
 
 SCRIPT = "grpo_sd35.py"
 
@@ -64,6 +68,119 @@ def test_grpo_loss_gradient_on_policy_is_minus_advantage():
     assert torch.allclose(lp.grad, torch.tensor([-1.0, 0.5]))
 
 
+class FakeVelocity(torch.nn.Module):
+    """A deterministic stand-in for the SD3 transformer (v = x / 2 + t / 1000 + mean(pooled)) that records each
+    forward's batch size."""
+
+    def __init__(self):
+        super().__init__()
+        self.batch_sizes = []
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, pooled_projections, return_dict):
+        self.batch_sizes.append(hidden_states.shape[0])
+        shift = (timestep / 1000 + pooled_projections.mean(dim=1)).view(-1, 1, 1, 1)
+        return (hidden_states / 2 + shift,)
+
+
+def fake_cond(batch: int):
+    gen = torch.Generator().manual_seed(1)
+    return (torch.zeros(batch, 5, 8), torch.randn(batch, 4, generator=gen), torch.zeros(1, 5, 8), torch.zeros(1, 4))
+
+
+def test_sde_window_start_is_drawn_from_a_to_b_minus_k_inclusive():
+    draws = [draw_sde_window(3, (0, 5), 10, torch.Generator().manual_seed(s)) for s in range(200)]
+    assert {start for start, _ in draws} == {0, 1, 2}  # upstream random.randint(0, 5 - 3): both ends included
+    assert all(end == start + 3 <= 5 for start, end in draws)  # the window never leaves [A, B)
+    assert {draw_sde_window(2, (4, 6), 10, torch.Generator().manual_seed(s)) for s in range(20)} == {(4, 6)}
+    assert draw_sde_window(0, (0, 5), 10, None) == (0, 10)  # no window: every step is SDE (May-2025 Flow-GRPO)
+    gen_a, gen_b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    assert [draw_sde_window(2, (0, 6), 10, gen_a) for _ in range(9)] == [draw_sde_window(2, (0, 6), 10, gen_b)
+                                                                         for _ in range(9)]  # seeded: resumable
+
+
+@pytest.mark.parametrize("kind", ["flow", "cps"])
+@pytest.mark.parametrize("window", [(2, 4), (0, 2), (3, 5)])
+def test_window_rollout_is_sde_inside_the_window_and_ode_outside(kind, window):
+    sigmas, cond, model = torch.linspace(1, 0, 7), fake_cond(2), FakeVelocity()  # T = 6 steps
+    noise = torch.randn(2, 4, 3, 3, generator=torch.Generator().manual_seed(0))
+    runs = [window_rollout(model, noise, sigmas, window, kind, 0.8, cond, 1.0, nullcontext(),
+                           torch.Generator().manual_seed(seed)) for seed in (0, 1)]
+    (latents, log_probs, means, final), (latents_b, _, _, final_b) = runs
+    assert latents.shape == (2, 3, 4, 3, 3) and log_probs.shape == (2, 2) and means.shape == (2, 2, 4, 3, 3)
+
+    def euler(x, steps):
+        for i in steps:
+            x = x + predict_velocity(model, x, sigmas[i], *cond, 1.0) * (sigmas[i + 1] - sigmas[i])
+        return x
+
+    # ODE before the window: its first latent is plain Euler from the noise, the same for any generator
+    assert torch.allclose(latents[:, 0], euler(noise, range(window[0])), atol=1e-6)
+    assert torch.equal(latents[:, 0], latents_b[:, 0])
+    # SDE inside: another generator gives other latents; only the window's K steps are stored
+    assert not torch.allclose(latents[:, 1:], latents_b[:, 1:])
+    # ODE after the window: deterministic Euler from the window's last latent
+    assert torch.allclose(final, euler(latents[:, -1], range(window[1], 6)), atol=1e-6)
+    # training re-scores every stored window step exactly as sampled (on-policy ratio exactly 1)
+    for j in range(2):
+        t = window[0] + j
+        v = predict_velocity(model, latents[:, j], sigmas[t], *cond, 1.0)
+        _, log_prob, mean, std = sde_step(v, latents[:, j], sigmas[t], sigmas[t + 1], kind, 0.8,
+                                          prev_sample=latents[:, j + 1], sigma_max=sigmas[1])
+        assert torch.equal(log_prob, log_probs[:, j]) and torch.equal(mean, means[:, j]) and (std > 0).all()
+        if kind == "cps":  # CPS inside the window: its constant-free log-prob and std sigma_next sin(a pi / 2)
+            assert torch.allclose(log_prob, -((latents[:, j + 1] - mean) ** 2).mean(dim=(1, 2, 3)))
+            assert torch.allclose(std, sigmas[t + 1] * math.sin(0.8 * math.pi / 2))
+
+
+def test_window_rollout_without_a_window_is_the_shared_rollout():
+    sigmas, cond, model = torch.linspace(1, 0, 5), fake_cond(3), FakeVelocity()
+    noise = torch.randn(3, 4, 3, 3, generator=torch.Generator().manual_seed(0))
+    latents, log_probs, means, final = window_rollout(model, noise, sigmas, (0, 4), "flow", 0.7, cond, 4.5,
+                                                      nullcontext(), torch.Generator().manual_seed(3))
+    want_latents, want_log_probs = rollout(model, noise, sigmas, "flow", 0.7, *cond, 4.5, nullcontext(),
+                                           torch.Generator().manual_seed(3))
+    assert torch.equal(latents, want_latents) and torch.equal(log_probs, want_log_probs)
+    assert torch.equal(final, want_latents[:, -1]) and means.shape == (3, 4, 4, 3, 3)
+
+
+def test_guidance_one_runs_no_unconditional_forward():
+    model, cond = FakeVelocity(), fake_cond(3)
+    x = torch.randn(3, 4, 3, 3)
+    predict_velocity(model, x, 0.5, *cond, 1.0)
+    predict_velocity(model, x, 0.5, *cond, 4.5)
+    assert model.batch_sizes == [3, 6]  # CFG doubles the batch ([uncond; cond]); guidance 1 runs the cond half only
+    model.batch_sizes.clear()
+    window_rollout(model, x, torch.linspace(1, 0, 5), (1, 3), "cps", 0.8, cond, 1.0, nullcontext(), None)
+    assert model.batch_sizes == [3] * 4
+
+
+def test_ratio_norm_by_hand():
+    # one sample, two elements: old mean 0, new mean (0.1, -0.2), std s = 0.5, x' = old mean + s * eps with eps = (1, 1)
+    old_mean, mean = torch.zeros(1, 2), torch.tensor([[0.1, -0.2]], requires_grad=True)
+    s, x_next = torch.tensor([0.5]), torch.tensor([[0.5, 0.5]])
+    log_prob, old_log_prob = gaussian_log_prob(x_next, mean, s.view(-1, 1)), gaussian_log_prob(x_next, old_mean, s)
+    # raw: mean(((x' - old)^2 - (x' - new)^2) / (2 s^2)) = mean((0.25 - 0.16, 0.25 - 0.49) / 0.5) = mean(0.18, -0.48)
+    assert (log_prob - old_log_prob).item() == pytest.approx(-0.15, abs=1e-6)
+    # bias mean((0.01, 0.04)) / (2 s^2) = 0.05 added back, times s: (-0.15 + 0.05) * 0.5 = mean(eps * dmu) = -0.05
+    normed = ratio_norm_log_ratio(log_prob, old_log_prob, mean, old_mean, s)
+    assert normed.item() == pytest.approx(-0.05, abs=1e-6)
+    normed.sum().backward()
+    assert torch.allclose(mean.grad, torch.tensor([[0.5, 0.5]]))  # eps / D: no 1/s left in the gradient
+    on_policy = ratio_norm_log_ratio(old_log_prob, old_log_prob, old_mean, old_mean, s)
+    assert torch.equal(on_policy, torch.zeros(1))  # exactly on-policy: ratio exactly 1
+
+
+def test_ratio_norm_is_mean_of_noise_times_mean_shift_at_any_step_std():
+    gen = torch.Generator().manual_seed(0)
+    old_mean, eps, shift = (torch.randn(4, 3, 2, 2, generator=gen) for _ in range(3))
+    for s in (0.006, 0.3, 0.7):  # Flow-GRPO's last and first SD3 step stds differ by 100x
+        std, mean, x_next = torch.full((4,), s), old_mean + 0.01 * shift, old_mean + s * eps
+        sd = std.view(-1, 1, 1, 1)
+        normed = ratio_norm_log_ratio(gaussian_log_prob(x_next, mean, sd), gaussian_log_prob(x_next, old_mean, sd),
+                                      mean, old_mean, std)
+        assert torch.allclose(normed, (eps * 0.01 * shift).mean(dim=(1, 2, 3)), atol=1e-5)
+
+
 # ---- end to end ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def one_process_run(tiny_sd3, tmp_path_factory):
@@ -78,6 +195,19 @@ def test_one_process_run(one_process_run):
         assert m["losses/on_policy_ratio_dev"] < 1e-3
         assert math.isfinite(m["losses/kl"]) and math.isfinite(m["losses/approx_kl"])
     assert metrics[1]["losses/kl"] > 0  # after one update the LoRA moved away from the base model
+    ema = torch.load(one_process_run / "checkpoints" / "epoch_00002" / "state.pt", map_location="cpu")["ema"]
+    assert all(e.abs().sum() == 0 for e in ema[1::2])  # 4 optimizer steps < upstream's interval 8: EMA B still 0
+
+
+def test_ema_moves_per_micro_batch_at_upstreams_interval(tiny_sd3, tmp_path):
+    # 2 micro-batches per optimizer step, interval 2: the EMA moves after the micro-batches that see global_step = 1,
+    # i.e. twice with the weights after step 1 (end of epoch 0, start of epoch 1), each with decay min(0.9, 2 / 11)
+    run_dir = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path) + ["--epochs", "2", "--updates-per-epoch", "1",
+                                                                        "--ema-interval", "2", "--kl-beta", "0"])
+    step1 = lora_tensors(run_dir / "checkpoints" / "epoch_00001")
+    ema = torch.load(run_dir / "checkpoints" / "epoch_00002" / "state.pt", map_location="cpu")["ema"]
+    assert all(torch.allclose(e, (1 - (2 / 11) ** 2) * p, atol=1e-7) for e, p in zip(ema[1::2], step1[1::2]))
+    assert not torch.equal(step1[1], lora_tensors(run_dir / "checkpoints" / "epoch_00002")[1])  # step 2 moved on
 
 
 def test_resume_matches_uninterrupted_run(tiny_sd3, tmp_path, one_process_run):
@@ -104,7 +234,68 @@ def test_learning_brightness_rises(tiny_sd3, tmp_path):
     assert_reward_rose(read_metrics(run_dir), window=2)
 
 
+FAST_NOCFG = ["--sde-window-size", "2", "--sde-window-range", "0", "3", "--sde-kind", "cps", "--noise-level", "0.8",
+              "--clip-range", "1e-5", "--guidance-scale", "1", "--kl-beta", "0.04"]  # upstream *_fast_nocfg, plus a KL
+GUARD = ["--ratio-norm", "--clip-range", "2e-6", "--learning-rate", "1e-4", "--kl-beta", "0", "--per-group-std"]
+
+
+def run_printing(flags: list[str], nproc: int = 1):
+    """Run to completion; returns (run dir, stdout)."""
+    proc = run_script(SCRIPT, flags, nproc=nproc, check=False)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    out = flags[flags.index("--output-dir") + 1]
+    (run_dir,) = [p for p in Path(out).iterdir() if p.is_dir()]
+    return run_dir, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def fast_run(tiny_sd3, tmp_path_factory):
+    return run_printing(tiny_sd35_flags(tiny_sd3, tmp_path_factory.mktemp("fast")) + FAST_NOCFG + ["--epochs", "2"])
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("recipe", ["fast", "guard"])
+def test_recipe_runs_train_the_window_and_stay_on_policy(tiny_sd3, tmp_path, fast_run, nproc, recipe):
+    flags = tiny_sd35_flags(tiny_sd3, tmp_path) + (FAST_NOCFG if recipe == "fast" else GUARD + ["--sde-window-size", "2"])
+    run_dir, stdout = fast_run if (recipe, nproc) == ("fast", 1) else run_printing(
+        flags + ["--epochs", "2", "--batch-size", str(4 // nproc)], nproc)
+    # 8 images / (nproc x batch 4 // nproc) = 2 micro-batches per GPU, 1 per update, each trains only the window's 2 steps
+    assert "2 updates/epoch of 2 micro-steps each" in stdout, stdout
+    metrics = assert_common_run(run_dir, epochs=2)
+    for m in metrics:
+        assert m["losses/on_policy_ratio_dev"] < 1e-6  # the first micro-step re-scores the rollout exactly
+    assert (metrics[-1]["losses/kl"] > 0) == (recipe == "fast")  # CPS's KL (its step std), none at --kl-beta 0
+
+
+def test_ratio_norm_over_every_step(tiny_sd3, tmp_path):
+    run_dir, stdout = run_printing(tiny_sd35_flags(tiny_sd3, tmp_path) + GUARD + ["--epochs", "2"])
+    assert "of 3 micro-steps each" in stdout  # no window: the first int(4 x 0.99) = 3 steps, as the May-2025 run
+    for m in assert_common_run(run_dir, epochs=2):
+        assert m["losses/on_policy_ratio_dev"] < 1e-6
+
+
+def test_window_run_resumes_exactly(tiny_sd3, tmp_path, fast_run):
+    first, _ = run_printing(tiny_sd35_flags(tiny_sd3, tmp_path / "a") + FAST_NOCFG + ["--epochs", "1"])
+    resumed, _ = run_printing(tiny_sd35_flags(tiny_sd3, tmp_path / "b") + FAST_NOCFG + [
+        "--epochs", "2", "--resume", str(first / "checkpoints" / "epoch_00001")])
+    want = lora_tensors(fast_run[0] / "checkpoints" / "epoch_00002")
+    assert all(torch.allclose(w, g, atol=1e-6) for w, g in zip(want, lora_tensors(resumed / "checkpoints" / "epoch_00002")))
+    assert read_metrics(resumed)[0]["reward/mean"] == read_metrics(fast_run[0])[1]["reward/mean"]  # same windows, noise
+
+
+def test_eval_guidance_scale_is_used_by_eval_only(tiny_sd3, tmp_path, one_process_run):
+    ckpt = str(one_process_run / "checkpoints" / "epoch_00002")
+    evals = [read_metrics(run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path / name) + [
+        "--eval-only", "--resume", ckpt] + flags))[0]["eval/reward_mean"]
+        for name, flags in [("same", ["--eval-guidance-scale", "4.5"]), ("one", ["--eval-guidance-scale", "1"])]]
+    assert evals[0] == read_metrics(one_process_run)[-1]["eval/final_reward_mean"] and evals[1] != evals[0]
+
+
 @pytest.mark.parametrize("flags,message", [
+    (["--sde-window-size", "3", "--sde-window-range", "0", "2"], "does not fit"),
+    (["--sde-window-size", "2", "--sde-window-range", "3", "5"], "does not fit"),  # B > --num-steps 4
+    (["--sde-window-size", "-1"], "does not fit"),
+    (["--ratio-norm", "--sde-kind", "cps"], "--ratio-norm needs --sde-kind flow"),
     (["--train-prompts", "missing.txt"], "does not exist"),
     (["--reward", "no_such_reward"], "no_such_reward"),
     (["--model", "/nonexistent/model"], "neither an existing local path"),

@@ -1,9 +1,11 @@
 """nft_sd35.py: hand-computed NFT loss and decay schedule, then end-to-end runs on the tiny offline SD3 pipeline."""
 
+import math
+
 import pytest
 import torch
 
-from nft_sd35 import nft_loss, old_decay
+from nft_sd35 import dpm_sample, nft_loss, old_decay
 from scripts_harness import (assert_bad_input, assert_common_run, assert_eval_only_reproduces, assert_reward_rose,
                              lora_tensors, read_metrics, run_script, tiny_sd35_flags)
 
@@ -57,6 +59,41 @@ def test_old_decay_schedules():
     assert old_decay(95, 2) == pytest.approx(0.15) and old_decay(10_000, 2) == 0.999
 
 
+def test_dpm_sample_is_exact_on_straight_lines():
+    """A straight-line field v = (x - x0) / sigma (every x0-prediction equals x0): every latent lies on the line."""
+    gen = torch.Generator().manual_seed(0)
+    x0, noise = torch.randn(2, 4, 3, 3, generator=gen), torch.randn(2, 4, 3, 3, generator=gen)
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(10)
+    grid = scheduler.sigmas.float()  # SD3's grid: 1.0, 0.960, ..., 0.278, 0.0089, 0
+    assert grid[0] == 1 and grid[-1] == 0 and grid[-2].item() == pytest.approx(0.0089, abs=1e-4)
+    latents = dpm_sample(lambda x, sigma: (x - x0) / sigma, noise, grid)
+    assert latents.shape == (2, 11, 4, 3, 3) and torch.equal(latents[:, 0], noise)
+    want = (1 - grid.view(1, -1, 1, 1, 1)) * x0.unsqueeze(1) + grid.view(1, -1, 1, 1, 1) * noise.unsqueeze(1)
+    assert torch.allclose(latents, want, atol=1e-5)
+    assert torch.allclose(latents[:, -1], x0, atol=1e-6)
+
+
+def test_dpm_sample_by_hand_first_order_at_both_ends():
+    """v = x (x0-prediction (1 - sigma) x), one scalar latent 1, grid 1, 1/2, 1/(1+e), 1/(1+e^2), 0: log-SNR
+    log((1 - sigma) / sigma) = -inf, 0, 1, 2, +inf. Steps 0 and 3 are DDIM; step 1 is first order (its history is at
+    log-SNR -inf); step 2 is DPM-Solver++(2M) with h = h_prev = 1."""
+    e = math.e
+    grid = torch.tensor([1.0, 0.5, 1 / (1 + e), 1 / (1 + e**2), 0.0])
+    s2, s3 = 1 / (1 + e), 1 / (1 + e**2)
+    x1 = 0.5  # DDIM from sigma 1: x0 = 0, implied noise x = 1 -> 0.5 * 1
+    x0_1 = 0.25  # (1 - 0.5) * 0.5
+    x2 = (1 - s2) * x0_1 + s2 * (x1 - 0.5 * x0_1) / 0.5  # first order: implied noise 0.75
+    x0_2 = (1 - s2) * x2
+    d = x0_2 + 0.5 * (x0_2 - x0_1)  # second-order data-prediction difference with r = 1
+    x3 = s3 / s2 * x2 - (1 - s3) * (math.exp(-1) - 1) * d
+    x4 = (1 - s3) * x3  # DDIM into 0: the last x0-prediction
+    latents = dpm_sample(lambda x, sigma: x, torch.ones(1, 1, 1, 1), grid)
+    assert latents.flatten().tolist() == pytest.approx([1.0, x1, x2, x3, x4], abs=1e-6)
+
+
 # ---- end to end ----------------------------------------------------------------------------------------------------
 def flags(model, out, *extra, precision="no"):
     return tiny_sd35_flags(model, out, precision) + ["--kl-beta", "1e-4", *extra]
@@ -80,6 +117,18 @@ def test_one_process_run_old_policy_follows_its_schedule(one_process_run):
     old, lora = old_tensors(ckpt), lora_tensors(ckpt)
     assert any(o.abs().sum() > 0 for o in old[1::2])  # the old adapter moved off its zero-initialised B
     assert any(not torch.equal(o, c) for o, c in zip(old, lora))  # eta > 0: a soft, not a hard, copy
+
+
+def test_run_rolls_out_and_trains_on_the_sd3_grid(tiny_sd3, tmp_path):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    proc = run_script(SCRIPT, flags(tiny_sd3, tmp_path, "--epochs", "1", "--save-every", "9"), check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("rollout grid sigma"))
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_sd3, subfolder="scheduler")
+    scheduler.set_timesteps(4)  # the tiny flags' --num-steps: SD3's own grid, 1.0 ... 0 (not DPM-Solver's flow grid)
+    assert line.split("[")[1].split("]")[0] == ", ".join(str(round(x, 4)) for x in scheduler.sigmas.tolist())
+    assert line.endswith("training timesteps: all but the final 0") and scheduler.sigmas[0] == 1.0
 
 
 def test_decay_type_2_hard_copies_and_resume_restores_old(tiny_sd3, tmp_path):

@@ -1,14 +1,27 @@
 """rewards.py: every formula against a hand computation, real OCR, tiny CLIP models, local HTTP servers."""
 
+import base64
 import builtins
+import http.client
+import inspect
 import io
+import itertools
 import json
 import math
+import os
 import pickle
+import socket
+import struct
+import subprocess
+import sys
 import threading
 import time
+import types
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFont
@@ -22,7 +35,7 @@ def text_image(text: str) -> torch.Tensor:
     """Black text on white, (3, 96, 320) in [0, 1]."""
     img = Image.new("RGB", (320, 96), "white")
     ImageDraw.Draw(img).text((10, 25), text, fill="black", font=ImageFont.load_default(size=36))
-    return torch.from_numpy(__import__("numpy").asarray(img).copy()).permute(2, 0, 1).float() / 255
+    return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1).float() / 255
 
 
 # ---------------------------------------------------------------- OCR
@@ -52,6 +65,38 @@ def test_ocr_real_rapidocr_on_rendered_text():
         fn(images[:1], ["no quotes here"], [{}])
     pil = [Image.fromarray((text_image("FLOW GRPO").permute(1, 2, 0).numpy() * 255).astype("uint8"))]
     assert fn(pil, prompts[:1], [{}])[0][0] == pytest.approx(1.0)  # a list of PIL images works too
+
+
+FONT_FILES = [f"/usr/share/fonts/truetype/dejavu/{name}.ttf" for name in ("DejaVuSerif-Bold", "DejaVuSansMono")]
+
+
+def test_ocr_reads_rendered_text_of_several_fonts_sizes_and_lengths(monkeypatch):
+    """Upstream's engine settings (no angle classifier, PaddleOCR's detector defaults), and a perfect score on clean
+    renders: PIL's built-in font (no system fonts needed) plus DejaVu where installed, 3 sizes, 3 lengths."""
+    import rapidocr_onnxruntime
+
+    made, real = [], rapidocr_onnxruntime.RapidOCR
+    monkeypatch.setattr(rapidocr_onnxruntime, "RapidOCR", lambda **kw: made.append(kw) or real(**kw))
+    fn = rewards.build_reward("ocr")
+    assert made == [dict(use_cls=False, det_limit_side_len=960, det_limit_type="max", det_box_thresh=0.6,
+                         det_unclip_ratio=1.5, det_use_dilation=False, text_score=0.5)]
+    fonts = [lambda size: ImageFont.load_default(size=size)]
+    fonts += [lambda size, path=path: ImageFont.truetype(path, size) for path in FONT_FILES if os.path.exists(path)]
+    images, targets = [], []
+    for make_font in fonts:
+        for size, text in itertools.product((16, 28, 44), ("OPEN", "Hello World", "The quick brown fox jumps")):
+            font = make_font(size)
+            width = ImageDraw.Draw(Image.new("RGB", (1, 1))).textbbox((0, 0), text, font=font)[2]
+            img = Image.new("RGB", (width + 40, 3 * size), (240, 235, 220))
+            ImageDraw.Draw(img).text((20, size), text, fill=(20, 20, 60), font=font)
+            images.append(img)
+            targets.append(text)
+    scores, _ = fn(images, [f'A sign that says "{t}"' for t in targets], [{}] * len(images))
+    assert scores.tolist() == [1.0] * len(images)
+    with pytest.raises(ValueError, match="ocr reward: no such file '/nope/en.onnx'"):
+        rewards.build_reward("ocr[rec_model=/nope/en.onnx]")
+    cut = fn(images[-1:], ['A sign that says "The quick brown fox jumps over"'], [{}])[0]
+    assert cut.item() == pytest.approx(1 - 4 / 25)  # "over" missing: 4 of the 25 characters (spaces dropped)
 
 
 def test_check_prompts_and_spec_errors():
@@ -171,13 +216,18 @@ def test_missing_optional_dependency_names_pip_command(monkeypatch):
 
 # ---------------------------------------------------------------- network rewards against local servers
 def serve(handler_fn, delay: float = 0.0):
-    """Start a local HTTP server whose POST reply is handler_fn(body: bytes) -> (status, bytes)."""
+    """Start a local HTTP server whose POST reply is handler_fn(path, body: bytes) -> (status, bytes); GET -> 200."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
             body = self.rfile.read(int(self.headers["Content-Length"]))
             time.sleep(delay)
-            status, reply = handler_fn(self.path, body)
+            self.answer(*handler_fn(self.path, body))
+
+        def do_GET(self):
+            self.answer(200, b"{}")
+
+        def answer(self, status, reply):
             self.send_response(status)
             self.send_header("Content-Length", str(len(reply)))
             self.end_headers()
@@ -191,6 +241,14 @@ def serve(handler_fn, delay: float = 0.0):
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
+def dead_url() -> str:
+    """The URL of a port where nothing listens any more."""
+    server, url = serve(lambda path, body: (200, b"{}"))
+    server.shutdown()
+    server.server_close()
+    return url
+
+
 def test_geneval_client_protocol():
     seen = {}
 
@@ -198,9 +256,9 @@ def test_geneval_client_protocol():
         request = pickle.loads(body)
         seen.update(request)
         assert all(Image.open(io.BytesIO(b)).format == "JPEG" for b in request["images"])
-        n = len(request["images"])
+        n = len(request["images"])  # upstream's reply: lists and dicts of Python floats (reward-server app_geneval.py)
         return 200, pickle.dumps({"scores": [0.5] * n, "rewards": [1.0] * n, "strict_rewards": [0.0] * n,
-                                  "group_rewards": {}, "group_strict_rewards": {}})
+                                  "group_rewards": {"counting": [1.0] * n}, "group_strict_rewards": {}})
 
     server, url = serve(handler)
     meta = [{"tag": "counting", "include": [{"class": "cat", "count": 2}]}] * 3
@@ -209,6 +267,56 @@ def test_geneval_client_protocol():
     assert seen["only_strict"] is True and seen["meta_datas"] == meta[2:]  # the last of two batches
     score, _ = rewards.build_reward(f"geneval[url={url};key=rewards]")(torch.rand(1, 3, 16, 16), ["p"], meta[:1])
     assert score.tolist() == [1.0] and seen["only_strict"] is False  # the official-style correctness
+    server.shutdown()
+
+
+class Exploit:
+    """Unpickling this calls os.makedirs(path): the way a hostile pickle runs code."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.makedirs, (self.path,)
+
+
+def test_geneval_reply_is_read_as_data_never_code(tmp_path):
+    marker = str(tmp_path / "code_ran")
+    hostile = pickle.dumps({"scores": [Exploit(marker)], "strict_rewards": [0.0]})
+    replies = [(hostile, "references os.makedirs; only plain data"),
+               (pickle.dumps({"scores": [np.float64(0.5)]}), "references numpy"),  # a class lookup too: refused
+               (pickle.dumps({"scores": [0.5]})[:-3], "malformed reply .*UnpicklingError"),  # truncated
+               (pickle.dumps(["not", "a", "dict"]), "malformed reply .*TypeError"),
+               (pickle.dumps({"scores": [0.5, 0.5]}), "expected 1 finite numbers"),  # 2 scores for 1 image
+               (pickle.dumps({"scores": [float("nan")]}), "expected 1 finite numbers"),
+               (b"<html>bad gateway</html>", "malformed reply")]
+    queue = iter(replies)
+    server, url = serve(lambda path, body: (200, next(queue)[0]))
+    fn = rewards.build_reward(f"geneval[url={url}]")
+    for _, message in replies:
+        with pytest.raises(RuntimeError, match=message) as error:
+            fn(torch.rand(1, 3, 8, 8), ["p"], [{"tag": "single_object"}])
+        assert str(error.value).startswith(f"reward server {url} ") and "\n" not in str(error.value)
+    server.shutdown()
+    assert not os.path.exists(marker)  # the hostile reply ran nothing ...
+    pickle.loads(hostile)
+    assert os.path.exists(marker)  # ... though a plain pickle.loads of it does
+
+
+def test_json_rewards_reject_malformed_replies():
+    chat = [b"not json", b"{}", json.dumps({"choices": [{"message": {"content": 5}}]}).encode()]
+    top = [{"token": "Yes", "logprob": "x"}]  # a string where a number belongs
+    yesno = [json.dumps({"choices": [{"logprobs": {"content": [{"top_logprobs": top}]}}]}).encode()]
+    served = [b"[]", json.dumps({"scores": [1.0], "info": {"x": [1.0, 2.0]}}).encode(),
+              json.dumps({"scores": [float("nan")], "info": {}}).encode()]
+    queue = iter(chat + yesno + served)
+    server, url = serve(lambda path, body: (200, next(queue)))
+    for spec, n in ((f"vlm_judge[url={url}]", len(chat)), (f"vlm_yesno[url={url}]", 1), (f"remote[url={url}]", 3)):
+        fn = rewards.build_reward(spec)
+        for _ in range(n):
+            with pytest.raises(RuntimeError, match=f"reward server {url}.* sent a malformed reply") as error:
+                fn(torch.rand(1, 3, 8, 8), ["a cat"], [{}])
+            assert "\n" not in str(error.value)
     server.shutdown()
 
 
@@ -239,24 +347,81 @@ def test_vlm_judge_and_yesno_against_fake_openai_server():
     assert requests[0][1]["model"] == "UnifiedReward-7b-v1.5" and requests[-1][1]["max_tokens"] == 1
 
 
-def test_network_reward_down_or_slow_fails_clearly():
-    server, url = serve(lambda path, body: (200, b"{}"))
+JUDGED = json.dumps({"choices": [{"message": {"content": "Final Score: 4"}}]}).encode()
+
+
+def test_network_rewards_fail_fast_and_clearly(monkeypatch):
+    url = dead_url()
+    for name in ("geneval", "vlm_judge", "vlm_yesno", "remote"):  # at build time, before any model would load
+        with pytest.raises(ValueError) as error:
+            rewards.build_reward(f"{name}[url={url}]")
+        assert str(error.value) == f"reward server {url} is not reachable: Connection refused (is the server running " \
+                                   f"there?)"
+    with pytest.raises(ValueError, match="reward server localhost:18085 is not reachable: not an http"):
+        rewards.build_reward("geneval[url=localhost:18085]")
+    sleeps = []
+    monkeypatch.setattr(rewards, "time", types.SimpleNamespace(sleep=sleeps.append, monotonic=time.monotonic))
+    server, url = serve(lambda path, body: (200, JUDGED))  # the server goes away during training: no backoff
+    fn = rewards.build_reward(f"vlm_judge[url={url};retries=5]")
     server.shutdown()
-    server.server_close()  # nothing listens any more
-    start = time.time()
-    with pytest.raises(RuntimeError, match=f"reward server {url}.* failed after 2 tries"):
-        rewards.build_reward(f"remote[url={url};timeout=1;retries=1]")(torch.rand(1, 3, 8, 8), ["p"], [{}])
-    slow, slow_url = serve(lambda path, body: (200, b"{}"), delay=3.0)
-    with pytest.raises(RuntimeError, match="timeout"):
-        rewards.build_reward(f"vlm_judge[url={slow_url};timeout=0.5;retries=0]")(torch.rand(1, 3, 8, 8), ["p"], [{}])
+    server.server_close()
+    with pytest.raises(RuntimeError) as error:
+        fn(torch.rand(1, 3, 8, 8), ["p"], [{}])
+    assert str(error.value) == f"reward server {url}/chat/completions refused the connection (nothing listens there)"
+    assert sleeps == []
+    statuses = iter([503, 500, 200])  # 5xx: backoff 1 s, 2 s, then the answer
+    server, url = serve(lambda path, body: (status := next(statuses), JUDGED if status == 200 else b"busy"))
+    score, _ = rewards.build_reward(f"vlm_judge[url={url};retries=3]")(torch.rand(1, 3, 8, 8), ["p"], [{}])
+    assert score.tolist() == [pytest.approx(0.8)]
+    assert sleeps == [1, 2]
+    slow, slow_url = serve(lambda path, body: (200, JUDGED), delay=3.0)  # timeouts back off too, then one line
+    with pytest.raises(RuntimeError, match=f"reward server {slow_url}/chat/completions failed after 2 tries "
+                                           r"\(0.3s timeout each\): .*timed out"):
+        rewards.build_reward(f"vlm_judge[url={slow_url};timeout=0.3;retries=1]")(torch.rand(1, 3, 8, 8), ["p"], [{}])
+    assert sleeps == [1, 2, 1]
+    server.shutdown()
     slow.shutdown()
-    assert time.time() - start < 15  # backoff 1 s, then the timeouts: bounded, never hangs
+
+
+# ---------------------------------------------------------------- the shipped reward server
+def start_server(**options):
+    server = rewards.make_server("jpeg_compressibility", "127.0.0.1", 0, **options)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def png_b64(width: int, height: int, seed: int | None = None) -> str:
+    """A flat grey PNG, or with a seed a PNG of random columns (does not compress away), base64."""
+    if seed is None:
+        array = np.full((height, width, 3), 128, dtype=np.uint8)
+    else:
+        array = np.repeat(np.random.default_rng(seed).integers(0, 256, (1, width, 3), dtype=np.uint8), height, 0)
+    return base64.b64encode(rewards.encoded(Image.fromarray(array), "PNG")).decode()
+
+
+def lying_png_b64(width: int, height: int) -> str:
+    """A 1x1 PNG whose header claims width x height: it cannot be decoded, only refused from its header."""
+    data = base64.b64decode(png_b64(1, 1))
+    ihdr = b"IHDR" + struct.pack(">II", width, height) + data[24:29]
+    return base64.b64encode(data[:12] + ihdr + struct.pack(">I", zlib.crc32(ihdr)) + data[33:]).decode()
+
+
+def request(images: list[str]) -> bytes:
+    return json.dumps({"images": images, "prompts": ["p"] * len(images), "metadata": [{}] * len(images)}).encode()
+
+
+def post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection(*url.removeprefix("http://").split(":"), timeout=30)
+    connection.request("POST", "/", body, headers or {})
+    response = connection.getresponse()
+    status, reply = response.status, json.loads(response.read())
+    connection.close()
+    return status, reply
 
 
 def test_shipped_reward_server_serves_jpeg_end_to_end():
-    server = rewards.make_server("jpeg_compressibility", "127.0.0.1", 0)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
+    assert inspect.signature(rewards.serve).parameters["host"].default == "127.0.0.1"  # loopback unless --host
+    server, url = start_server()
     images = torch.rand(2, 3, 24, 24)
     local, _ = rewards.build_reward("jpeg_compressibility")(images, ["a", "b"], [{}, {}])
     served, info = rewards.build_reward(f"remote[url={url}]")(images, ["a", "b"], [{}, {}])
@@ -264,3 +429,82 @@ def test_shipped_reward_server_serves_jpeg_end_to_end():
     with pytest.raises(RuntimeError, match="HTTP 400"):  # a server-side error is reported, not retried
         rewards.build_reward(f"remote[url={url}]")(images, ["a"], [{}, {}])
     server.shutdown()
+
+
+def test_reward_server_refuses_with_4xx_and_keeps_serving():
+    server, url = start_server(token="s3cret", max_body_mb=0.05, max_images=3, max_pixels=64 * 64, timeout=1.0)
+    auth = {"Authorization": "Bearer s3cret"}
+    good = request([png_b64(32, 32)] * 2)
+    assert post(url, good, auth)[0] == 200
+    for body, headers, status, message in [
+            (good, {}, 401, "needs a token"),
+            (good, {"Authorization": "Bearer guess"}, 403, "wrong token"),
+            (good.replace(b'"p"', b'"' + b"p" * 60000 + b'"'), auth, 413, "limit of 0.05 MiB (--max-body-mb)"),
+            (request([png_b64(8, 8)] * 4), auth, 413, "4 images is over this server's limit of 3 (--max-images)"),
+            (request([lying_png_b64(9000, 9000)]), auth, 413, "image 0 has 9000x9000 pixels, over this server's limit"),
+            (request([lying_png_b64(64, 64)]), auth, 400, "OSError"),  # the same lie within the limit: undecodable
+            (request(["not base64!"]), auth, 400, "Error"),
+            (b"{not json", auth, 400, "JSONDecodeError")]:
+        got, reply = post(url, body, headers)
+        assert (got, message in reply["error"]) == (status, True), reply
+        assert post(url, good, auth)[0] == 200  # the next good request is served
+    host, port = server.server_address
+    stalled = b"POST / HTTP/1.1\r\nAuthorization: Bearer s3cret\r\nContent-Length: 1000\r\n\r\n0123"
+    for raw, status in ((b"POST / HTTP/1.1\r\nContent-Length: -5\r\n\r\n", b" 400 "),  # before any token check
+                        (stalled, b" 408 ")):  # the body stalls: dropped after timeout=1 s
+        with socket.create_connection(server.server_address, timeout=10) as client:
+            client.sendall(raw)
+            assert status in client.recv(1000)
+    assert post(url, good, auth)[0] == 200
+    server.shutdown()
+
+
+def test_remote_client_token_and_refusal_fail_in_one_line(monkeypatch):
+    server, url = start_server(token="s3cret", max_images=2)
+    monkeypatch.delenv("REWARD_SERVER_TOKEN", raising=False)
+    for spec, status in ((f"remote[url={url}]", 401), (f"remote[url={url};token=guess]", 403)):
+        with pytest.raises(ValueError) as error:  # at build time, before any model would load
+            rewards.build_reward(spec)
+        assert str(error.value).startswith(f"reward server {url} refused us (HTTP {status})")
+        assert "\n" not in str(error.value)
+    images = torch.rand(2, 3, 16, 16)
+    local, _ = rewards.build_reward("jpeg_compressibility")(images, ["a", "b"], [{}, {}])
+    fn = rewards.build_reward(f"remote[url={url};token=s3cret]")
+    assert torch.allclose(fn(images, ["a", "b"], [{}, {}])[0], local)
+    monkeypatch.setenv("REWARD_SERVER_TOKEN", "s3cret")
+    fn = rewards.build_reward(f"remote[url={url}]")
+    assert torch.allclose(fn(images, ["a", "b"], [{}, {}])[0], local)
+    sleeps = []
+    monkeypatch.setattr(rewards, "time", types.SimpleNamespace(sleep=sleeps.append, monotonic=time.monotonic))
+    with pytest.raises(RuntimeError) as error:  # refused during training: one line, not retried
+        fn(torch.rand(3, 3, 16, 16), ["a"] * 3, [{}] * 3)
+    assert str(error.value) == (f"reward server {url} rejected the request (HTTP 413): {{\"error\": \"3 images is "
+                                f"over this server's limit of 2 (--max-images)\"}}") and sleeps == []
+    server.shutdown()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set size from /proc")
+def test_reward_server_cli_memory_returns_to_baseline():
+    """`python rewards.py --serve` in its own process: loopback, token from the environment, and its resident memory
+    back at the baseline after large requests (6 decoded 2048^2 images and their copies: ~150 MB while they run)."""
+    env = dict(os.environ, REWARD_SERVER_TOKEN="s3cret", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "rewards.py", "--serve", "jpeg_compressibility", "--port", "0",
+                             "--device", "cpu"], cwd=Path(__file__).parent.parent, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving reward 'jpeg_compressibility' on http://127.0.0.1:"), line
+        assert "token required" in line
+        url, auth = line.split()[4], {"Authorization": "Bearer s3cret"}
+        small, large = request([png_b64(64, 64)]), request([png_b64(2048, 2048, seed=i) for i in range(6)])
+        assert post(url, small)[0] == 401
+        for _ in range(2):
+            assert post(url, small, auth)[0] == 200
+        baseline = int(Path(f"/proc/{proc.pid}/statm").read_text().split()[1])
+        for _ in range(2):
+            assert post(url, large, auth)[0] == 200
+            grown = int(Path(f"/proc/{proc.pid}/statm").read_text().split()[1]) - baseline
+            assert grown * os.sysconf("SC_PAGE_SIZE") < 20 * 2**20
+    finally:
+        proc.terminate()
+        proc.wait(30)

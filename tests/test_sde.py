@@ -48,10 +48,10 @@ def test_hand_computed_mean_std_and_log_prob(kind, sigma, sigma_next, noise_leve
     assert torch.allclose(std.expand(SHAPE), torch.full(SHAPE, want_std), atol=1e-6)
     assert torch.equal(sample, prev)
     assert log_prob.shape == (SHAPE[0],) and log_prob.dtype == torch.float32
-    if want_std == 0:
+    if kind == "cps":  # upstream's constant- and variance-free form, also at sigma_next = 0 (std 0): -(0.5 - 0.8)^2
+        want_lp = -((0.5 - want_mean) ** 2)
+    elif want_std == 0:
         want_lp = 0.0
-    elif kind == "cps":
-        want_lp = -((0.5 - want_mean) ** 2)  # upstream's constant- and variance-free form
     else:
         want_lp = _normal_logpdf(0.5, want_mean, want_std)
     assert torch.allclose(log_prob, torch.full((SHAPE[0],), want_lp), rtol=1e-5, atol=1e-6)
@@ -155,3 +155,15 @@ def test_gaussian_log_prob_and_shift_by_hand():
 def test_unknown_kind_is_rejected():
     with pytest.raises(ValueError, match="unknown step kind"):
         sde_step(_const(0.0), _const(0.0), 0.5, 0.4, "euler", 0.7)
+
+
+def test_cps_last_step_scores_a_given_sample_with_gradient():
+    """Upstream (flow_grpo sde_type='cps') keeps -mean((x' - mu)^2) at sigma_next = 0, so a trained last step learns."""
+    x, prev = _const(1.0), _const(0.5)
+    v = _const(2.0).requires_grad_()
+    _, log_prob, _, _ = sde_step(v, x, 0.1, 0.0, "cps", 0.8, prev_sample=prev)  # mean = x - 0.1 v = 0.8
+    assert torch.allclose(log_prob, torch.full((SHAPE[0],), -0.09), atol=1e-6)
+    log_prob.sum().backward()  # d/dv -(0.5 - (1 - 0.1 v))^2 = -2 (0.5 - 0.8) 0.1 / n per element = 0.06 / n
+    assert torch.allclose(v.grad, torch.full(SHAPE, 0.06 / (3 * 4 * 4)), atol=1e-7)
+    sampled, log_prob, mean, _ = sde_step(v.detach(), x, 0.1, 0.0, "cps", 0.8)  # sampling: x' = mean, log_prob 0
+    assert torch.equal(sampled, mean) and torch.equal(log_prob, torch.zeros(SHAPE[0]))
