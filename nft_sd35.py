@@ -404,7 +404,7 @@ def save_checkpoint(path: str, transformer, lora_params, ema_params, optimizer, 
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     config = transformer.peft_config["default"].to_dict()
-    for name, weights in (("lora", lora_params), ("ema_lora", ema_params)):
+    for name, weights in (("lora", []), ("ema_lora", ema_params)):  # [] swaps nothing in
         with swapped(lora_params, weights):
             StableDiffusion3Pipeline.save_lora_weights(os.path.join(tmp, name), get_peft_model_state_dict(transformer),
                                                        transformer_lora_adapter_metadata=config)
