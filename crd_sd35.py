@@ -14,6 +14,7 @@ import glob
 import json
 import math
 import os
+import re
 import resource
 import shutil
 import sys
