@@ -10,7 +10,7 @@ from peft import LoraConfig
 
 import dance_grpo_flux
 import grpo_sd35
-from scripts_harness import PROMPTS, TOY_REWARD, assert_bad_input, read_metrics, run_script, tiny_sd35_flags
+from scripts_harness import PROMPTS, REPO, TOY_REWARD, assert_bad_input, read_metrics, run_script, tiny_sd35_flags
 
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--ema-decay", "0.5", "--learning-rate", "1e-2"]  # scale 2; EMA != LoRA
 
@@ -77,7 +77,7 @@ BAD = [
 @pytest.mark.parametrize("extra,message", BAD, ids=[m for _, m in BAD])
 def test_bad_input_fails_before_the_model_loads(tiny_sd3, tmp_path, script, extra, message):
     """One line, no run directory; the tiny model dir holds only config files here, so nothing could have loaded."""
-    if f"    {extra[0][2:].replace('-', '_')}:" not in Path(script).read_text():
+    if f"    {extra[0][2:].replace('-', '_')}:" not in (REPO / script).read_text():
         pytest.skip(f"{script} has no {extra[0]}")  # awm_sd35.py: one update per epoch
     model = tmp_path / "configs-only"
     for sub in ("vae", "transformer"):
