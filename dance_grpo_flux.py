@@ -577,10 +577,8 @@ if __name__ == "__main__":
                              checkpoint_id=os.path.join(args.resume, "dcp"))
         start_epoch, global_step = state["next_epoch"], state["global_step"]
     elif state is not None:
-        for p, saved in zip(lora_params, state["lora"]):
+        for p, saved in zip(lora_params + ema_params, state["lora"] + state["ema"]):
             p.data.copy_(saved)
-        for e, saved in zip(ema_params, state["ema"]):
-            e.copy_(saved)
         optimizer.load_state_dict(state["optimizer"])
         start_epoch, global_step = state["next_epoch"], state["global_step"]
     if rank == 0:  # created only now: a run that fails earlier leaves no directory behind

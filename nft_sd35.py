@@ -542,12 +542,8 @@ if __name__ == "__main__":
     reward_weights = reward_fn.weights  # {component: weight}
     start_epoch, global_step = 0, 0
     if state is not None:
-        for p, saved in zip(lora_params, state["lora"]):
+        for p, saved in zip(lora_params + ema_params + old_params, state["lora"] + state["ema"] + state["extra"]["old"]):
             p.data.copy_(saved)
-        for e, saved in zip(ema_params, state["ema"]):
-            e.copy_(saved)
-        for o, saved in zip(old_params, state["extra"]["old"]):
-            o.copy_(saved)
         optimizer.load_state_dict(state["optimizer"])
         start_epoch, global_step = state["next_epoch"], state["global_step"]
     if rank == 0:  # created only now: a run that fails earlier leaves no directory behind

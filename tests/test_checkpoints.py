@@ -1,6 +1,5 @@
 """Issue 14: a checkpoint is the model that was trained, and a mistake is caught before the model loads."""
 
-import warnings
 from pathlib import Path
 
 import pytest
