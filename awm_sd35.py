@@ -14,13 +14,15 @@ One-minute CPU demo on a tiny random model:
         --prompts-per-epoch 2 --batch-size 4 --train-batch-size 2 --train-timesteps 2 --epochs 2
 """
 
+import glob
 import json
 import math
 import os
-import re
 import resource
 import shutil
+import sys
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -156,6 +158,7 @@ class Args:
 
 LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
                 "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]  # the 8 joint-attention projections
+STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses a checkpoint saved with other values
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -266,6 +269,43 @@ def fail(msg: str):
     raise SystemExit(f"error: {msg}")
 
 
+def check_args(args) -> dict | None:
+    """Checks that need no weights (sizes, config files, wandb login, --resume); returns the checkpoint's state."""
+    bad = [n for n in ("epochs", "batch_size", "eval_batch_size", "train_batch_size", "updates_per_epoch", "eval_every",
+                       "save_every", "group_size", "prompts_per_epoch", "num_steps", "eval_num_steps", "lora_rank")
+           if getattr(args, n, 1) < 1] + ["learning_rate"] * (args.learning_rate < 0)
+    if bad:
+        fail(f"--{bad[0].replace('_', '-')} must be {'>= 0' if bad[0] == 'learning_rate' else '>= 1'}, got "
+             f"{getattr(args, bad[0])}")
+    try:  # the small config files give the resolution's factor before the weights load
+        files = ("vae/config.json", "transformer/config.json")
+        vae, dit = (json.load(open(os.path.join(args.model, f) if os.path.exists(args.model) else
+                                   hf_hub_download(args.model, f))) for f in files)
+    except Exception as e:
+        fail(f"model {args.model!r} is neither an existing local path nor a hub id like 'org/name' with vae/ and "
+             f"transformer/ config.json ({type(e).__name__})")
+    factor = 2 ** (len(vae["block_out_channels"]) - 1) * dit.get("patch_size", 1)
+    if args.resolution < 1 or args.resolution % factor:
+        fail(f"--resolution {args.resolution} is not a multiple of {factor} (VAE downsampling x patch size)")
+    if args.track and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
+        import wandb
+        if not wandb.login(prompt=False):
+            fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), or WANDB_MODE=offline")
+    if not args.resume:
+        return None
+    path = os.path.join(args.resume, "state.pt")
+    if os.path.basename(os.path.abspath(args.resume)).startswith(".") or not os.path.isfile(path):
+        fail(f"--resume {args.resume!r} is not a checkpoint directory (no state.pt; hidden ones are unfinished saves)")
+    state = torch.load(path, map_location="cpu")
+    for flag in STATE_FLAGS:
+        if state["args"][flag] != getattr(args, flag):
+            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)!r} differs from the checkpoint's "
+                 f"{state['args'][flag]!r}; a resumed run must keep it")
+    if not args.eval_only and state["next_epoch"] >= args.epochs:
+        fail(f"--epochs {args.epochs} is not past the checkpoint's {state['next_epoch']} epochs: nothing to train")
+    return state
+
+
 def load_prompts(path: str) -> tuple[list[str], list[dict]]:
     """One prompt per line, or JSONL (`.jsonl`) with a `prompt` field; returns prompts and per-prompt metadata."""
     if not os.path.isfile(path):
@@ -280,12 +320,6 @@ def load_prompts(path: str) -> tuple[list[str], list[dict]]:
     if any("prompt" not in row for row in rows):
         fail(f"every line of {path!r} needs a 'prompt' field")
     return [row["prompt"] for row in rows], rows
-
-
-def check_model_path(model: str):
-    """A local path must exist; anything shaped like `org/name` that is not a local path is taken as a hub id."""
-    if not os.path.exists(model) and not re.fullmatch(r"[\w.-]+/[\w.-]+", model):
-        fail(f"model {model!r} is neither an existing local path nor a hub id like 'org/name'")
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
@@ -331,9 +365,7 @@ def predict_velocity(transformer, x, sigma, embeds, pooled, neg_embeds, neg_pool
         pooled = torch.cat([neg_pooled.expand_as(pooled), pooled])
     v = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds,
                     pooled_projections=pooled, return_dict=False)[0].float()
-    if not cfg:
-        return v
-    v_uncond, v_cond = v.chunk(2)
+    v_uncond, v_cond = v.chunk(2) if cfg else (v, v)
     return v_uncond + guidance_scale * (v_cond - v_uncond)
 
 
@@ -360,19 +392,17 @@ def decode(vae, latents) -> torch.Tensor:
 
 
 def contact_sheet(images: list[np.ndarray], path: str):
-    """Save (H, W, 3) uint8 images as one near-square grid PNG."""
+    """Save (H, W, 3) uint8 images as one near-square grid PNG (black cells fill the last row)."""
     cols = math.ceil(math.sqrt(len(images)))
-    rows = math.ceil(len(images) / cols)
-    h, w = images[0].shape[:2]
-    sheet = Image.new("RGB", (cols * w, rows * h))
-    for i, img in enumerate(images):
-        sheet.paste(Image.fromarray(img), ((i % cols) * w, (i // cols) * h))
-    sheet.save(path)
+    images = images + [np.zeros_like(images[0])] * (-len(images) % cols)
+    rows = [np.concatenate(images[i : i + cols], axis=1) for i in range(0, len(images), cols)]
+    Image.fromarray(np.concatenate(rows, axis=0)).save(path)
 
 
 @torch.no_grad()
 def evaluate(pipe, args, prompts, metadata, reward_fn, eval_sigmas, neg, rank, world, device, autocast, shape):
-    """ODE sampling of the test prompts (prompt i on rank i % world, noise seeded by i). Returns (mean, sheet)."""
+    """ODE sampling of the test prompts (prompt i on rank i % world, noise seeded by i). Returns the means of the reward
+    ("reward_mean") and of every value in its info (e.g. pickscore_raw), and the sheet."""
     mine = list(range(rank, len(prompts), world))
     scores, sheet = [], []
     for start in range(0, len(mine), args.eval_batch_size):
@@ -383,52 +413,48 @@ def evaluate(pipe, args, prompts, metadata, reward_fn, eval_sigmas, neg, rank, w
         latents, _ = rollout(pipe.transformer, noise, eval_sigmas, "ode", 0.0, embeds, pooled, *neg,
                              args.guidance_scale, autocast, None)
         images = decode(pipe.vae, latents[:, -1])
-        batch_scores, _ = reward_fn(images.cpu(), [prompts[i] for i in idx], [metadata[i] for i in idx])
-        scores += list(zip(idx, batch_scores.tolist()))
+        batch_scores, info = reward_fn(images.cpu(), [prompts[i] for i in idx], [metadata[i] for i in idx])
+        scores += [{"reward_mean": float(s), **{k: float(v[j]) for k, v in info.items()}}
+                   for j, s in enumerate(batch_scores.tolist())]
         sheet += [(i, (img.permute(1, 2, 0).cpu().numpy() * 255).round().astype(np.uint8))
                   for i, img in zip(idx, images) if i < args.eval_sheet_size]
     if world > 1:
         gathered = [None] * world
         dist.all_gather_object(gathered, (scores, sheet))
         scores, sheet = [s for g in gathered for s in g[0]], [s for g in gathered for s in g[1]]
-    return float(np.mean([s for _, s in scores])), [img for _, img in sorted(sheet, key=lambda t: t[0])]
+    means = {k: float(np.mean([s[k] for s in scores])) for k in scores[0]}
+    return means, [img for _, img in sorted(sheet, key=lambda t: t[0])]
 
 
 def save_checkpoint(path: str, transformer, lora_params, ema_params, optimizer, next_epoch, global_step, args,
                     extra: dict):
-    """Atomic (temp dir, then rename): diffusers-format `lora/` and `ema_lora/`, plus state.pt to resume from
-    (`extra`: the algorithm's own tensors, e.g. snapshot adapters)."""
-    tmp = path + ".tmp"
-    os.makedirs(tmp, exist_ok=True)
-    StableDiffusion3Pipeline.save_lora_weights(os.path.join(tmp, "lora"),
-                                               transformer_lora_layers=get_peft_model_state_dict(transformer))
-    with swapped(lora_params, ema_params):
-        StableDiffusion3Pipeline.save_lora_weights(os.path.join(tmp, "ema_lora"),
-                                                   transformer_lora_layers=get_peft_model_state_dict(transformer))
+    """Atomic: written under a hidden temp name (which --resume refuses and `epoch_*` never matches), then renamed.
+    `lora/` and `ema_lora/` are diffusers LoRAs saved with their peft config, so `load_lora_weights` rebuilds the
+    trained alpha; state.pt resumes (`extra`: the algorithm's own tensors, e.g. snapshot adapters)."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    config = transformer.peft_config["default"].to_dict()
+    for name, weights in (("lora", []), ("ema_lora", ema_params)):  # [] swaps nothing in
+        with swapped(lora_params, weights):
+            StableDiffusion3Pipeline.save_lora_weights(os.path.join(tmp, name), get_peft_model_state_dict(transformer),
+                                                       transformer_lora_adapter_metadata=config)
     torch.save({"lora": [p.detach().cpu() for p in lora_params], "ema": [p.cpu() for p in ema_params],
                 "optimizer": optimizer.state_dict(), "next_epoch": next_epoch, "global_step": global_step,
                 "args": asdict(args), "extra": extra}, os.path.join(tmp, "state.pt"))
-    if os.path.exists(path):
-        os.rename(path, path + ".old")
+    shutil.rmtree(path, ignore_errors=True)
     os.rename(tmp, path)
-    shutil.rmtree(path + ".old", ignore_errors=True)
 
 
 @contextmanager
 def swapped(params, ema):
     """Temporarily put the EMA values into the live LoRA parameters (for eval and the saved `ema_lora`)."""
-
-    def swap():
-        for p, e in zip(params, ema):
-            live = p.data.clone()
-            p.data.copy_(e)
-            e.copy_(live)
-
-    swap()
+    for p, e in zip(params, ema):
+        p.data, e.data = e.data, p.data
     try:
         yield
     finally:
-        swap()
+        for p, e in zip(params, ema):
+            p.data, e.data = e.data, p.data
 
 
 @contextmanager
@@ -447,21 +473,46 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
 
 
+def prepare_run_dir(run_dir: str, start_epoch: int):
+    """Create the run dir; a resumed one drops the metrics of the epochs it redoes and a crashed save's temp dirs."""
+    for tmp in glob.glob(os.path.join(run_dir, "checkpoints", ".*")):
+        shutil.rmtree(tmp)
+    path = os.path.join(run_dir, "metrics.jsonl")
+    lines = open(path).readlines() if os.path.exists(path) else []
+    os.makedirs(run_dir, exist_ok=True)
+    with open(path, "w") as f:
+        f.writelines(line for line in lines if json.loads(line)["epoch"] < start_epoch)
+
+
+def rank_mean(values: dict[str, float], world: int, device) -> dict[str, float]:
+    """The mean of each value over ranks (logged stats are the whole run's, not rank 0's)."""
+    stacked = all_gather_cat(torch.tensor([list(values.values())], dtype=torch.float64, device=device), world)
+    return dict(zip(values, stacked.mean(0).tolist()))
+
+
+def check_finite(where: str, run_dir: str, **values):
+    """Stop with one line naming the first non-finite value (reward, advantage, loss, gradient) and last checkpoint."""
+    for name in [k for k, v in values.items() if not torch.isfinite(torch.as_tensor(v)).all()][:1]:
+        last = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))[-1:] or ["none saved yet"]
+        fail(f"non-finite {name} at {where}; stopping. Last checkpoint: {last[0]}")
+
+
 if __name__ == "__main__":
     args = tyro.cli(Args)
 
     # ---- input checks and batch arithmetic: fail with one clear line before any model loads ----
     train_prompts, train_meta = ([], []) if args.eval_only else load_prompts(args.train_prompts)
     test_prompts, test_meta = load_prompts(args.test_prompts)
-    check_model_path(args.model)
-    if args.resume and not os.path.isfile(os.path.join(args.resume, "state.pt")):
-        fail(f"--resume {args.resume!r} is not a checkpoint directory (no state.pt)")
-    try:
+    state = check_args(args)
+    rank, world, device = setup_distributed()
+    quiet = rank != 0 or not sys.stderr.isatty()  # progress bars only on rank 0's terminal, not in log files
+    try:  # rewards are built before the model: a bad file or a server that does not answer fails here
         rewards.check_prompts(args.reward, train_prompts)
         rewards.check_prompts(args.eval_reward or args.reward, test_prompts)
+        reward_fn = rewards.build_reward(args.reward, device=device)
+        eval_reward_fn = rewards.build_reward(args.eval_reward, device=device) if args.eval_reward else reward_fn
     except ValueError as e:
         fail(str(e))
-    rank, world, device = setup_distributed()
     images_per_epoch = args.prompts_per_epoch * args.group_size
     if images_per_epoch % (world * args.batch_size):
         fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split into {world} GPUs x "
@@ -478,9 +529,12 @@ if __name__ == "__main__":
     if world > 1:
         dist.broadcast_object_list(run_name, src=0)
     run_dir = os.path.join(args.output_dir, run_name[0])
+    parent = os.path.dirname(os.path.abspath(args.resume or "."))
+    if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
+        run_dir = os.path.dirname(parent)  # a resumed run continues its checkpoint's run directory
     if rank == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        print(f"{world} GPU(s) x {num_batches} rollout batches x {args.batch_size} = {images_per_epoch} images/epoch "
+        print(f"{world} {'GPU(s)' if device.type == 'cuda' else 'process(es)'} x {num_batches} "
+              f"rollout batches x {args.batch_size} = {images_per_epoch} images/epoch "
               f"({args.prompts_per_epoch} prompts x {args.group_size}); 1 update/epoch of {num_micro} micro-batches "
               f"x {args.train_batch_size} samples x {args.train_timesteps} timesteps; run dir {run_dir}")
 
@@ -491,8 +545,6 @@ if __name__ == "__main__":
     for module in (transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
         if module is not None:
             module.requires_grad_(False)
-    if args.resolution % (pipe.vae_scale_factor * transformer.config.patch_size):
-        fail(f"--resolution {args.resolution} is not a multiple of {pipe.vae_scale_factor * transformer.config.patch_size}")
     torch.manual_seed(args.seed)
     transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian",
                                        target_modules=LORA_TARGETS))
@@ -507,8 +559,7 @@ if __name__ == "__main__":
     # the anchor ("ema" adapter upstream): a trailing copy of the LoRA, swapped into the live LoRA for its forward
     anchor_params = [p.detach().clone() for p in lora_params]
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    latent_shape = (transformer.config.in_channels, args.resolution // pipe.vae_scale_factor,
-                    args.resolution // pipe.vae_scale_factor)
+    latent_shape = (transformer.config.in_channels, *[args.resolution // pipe.vae_scale_factor] * 2)
     pipe.scheduler.set_timesteps(args.num_steps, device=device)
     sigmas = pipe.scheduler.sigmas.float()  # (T+1,) from 1 to 0, SD3's shifted schedule: rollout and training grid
     pipe.scheduler.set_timesteps(args.eval_num_steps, device=device)
@@ -517,51 +568,46 @@ if __name__ == "__main__":
                                corrector_order=2)
     with torch.no_grad():
         neg = encode(pipe, [""], device, args.max_sequence_length)  # empty-prompt CFG embedding, computed once
-    reward_fn = rewards.build_reward(args.reward, device=device)
-    eval_reward_fn = reward_fn if args.eval_reward is None else rewards.build_reward(args.eval_reward, device=device)
     reward_weights = reward_fn.weights  # {component: weight}
     start_epoch, global_step = 0, 0
-    if args.resume:
-        state = torch.load(os.path.join(args.resume, "state.pt"), map_location=device)
+    if state is not None:
         for params, saved in ((lora_params, "lora"), (ema_params, "ema"), (anchor_params, "anchor")):
             for p, value in zip(params, state["extra"]["anchor"] if saved == "anchor" else state[saved]):
                 p.data.copy_(value)
         optimizer.load_state_dict(state["optimizer"])
         start_epoch, global_step = state["next_epoch"], state["global_step"]
+    if rank == 0:  # created only now: a run that fails earlier leaves no directory behind
+        prepare_run_dir(run_dir, start_epoch)
     if args.track and rank == 0:
         import wandb
-
-        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_name[0], config=vars(args),
-                   save_code=True)
+        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=os.path.basename(run_dir),
+                   config=vars(args), save_code=True)
 
     def log(metrics: dict, epoch: int):
-        if rank != 0:
-            return
-        with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps({"epoch": epoch, **metrics}) + "\n")
-        if args.track:
-            wandb.log(metrics, step=epoch)
+        if rank == 0:
+            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps({"epoch": epoch, **metrics}) + "\n")
+            if args.track:
+                wandb.log(metrics, step=epoch)
 
-    def run_eval(epoch: int) -> float:
+    def run_eval(epoch: int, prefix: str = "eval/") -> dict:
         with swapped(lora_params, ema_params):  # with --ema-decay 0 the EMA equals the live weights
-            mean, sheet = evaluate(pipe, args, test_prompts, test_meta, eval_reward_fn, eval_sigmas, neg, rank, world,
+            means, sheet = evaluate(pipe, args, test_prompts, test_meta, eval_reward_fn, eval_sigmas, neg, rank, world,
                                    device, autocast, latent_shape)
         if rank == 0:
             path = os.path.join(run_dir, f"eval_{epoch:05d}.png")
             contact_sheet(sheet, path)
+            print(f"eval after {epoch} epochs: {args.eval_reward or args.reward} = {means['reward_mean']:.4f}")
             if args.track:
                 wandb.log({"eval/sheet": wandb.Image(path)}, step=epoch)
-        return mean
+        return {prefix + k: v for k, v in means.items()}
 
     if args.eval_only:
-        metrics = {"eval/reward_mean": run_eval(start_epoch)}
-        log(metrics, start_epoch)
-        if rank == 0:
-            print(f"eval after {start_epoch} epochs: {args.eval_reward or args.reward} = {metrics['eval/reward_mean']:.4f}")
+        log(run_eval(start_epoch), start_epoch)
     executor = ThreadPoolExecutor(max_workers=1)  # scores batch i while batch i+1 is sampled
     for epoch in range(start_epoch, 0 if args.eval_only else args.epochs):
         epoch_start = time.time()
-        metrics = {"eval/reward_mean": run_eval(epoch)} if epoch % args.eval_every == 0 else {}
+        metrics = run_eval(epoch) if epoch % args.eval_every == 0 else {}
 
         # ---- SAMPLING: identical prompt draw on every rank; each group's images spread over ranks; keep final x0 ----
         prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
@@ -575,7 +621,7 @@ if __name__ == "__main__":
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
         transformer.eval()
         rollouts, futures = [], []
-        for b in tqdm(range(num_batches), desc=f"epoch {epoch} sampling", disable=rank != 0, leave=False):
+        for b in tqdm(range(num_batches), desc=f"epoch {epoch} sampling", disable=quiet, leave=False):
             idx = [int(chosen[g]) for g in my_groups[b]]
             prompts, meta = [train_prompts[i] for i in idx], [train_meta[i] for i in idx]
             with torch.no_grad():
@@ -598,12 +644,15 @@ if __name__ == "__main__":
         components = {k: torch.cat([r[1][k] for r in results]) for k in reward_weights}  # each (local_images,)
         all_rewards = all_gather_cat(local_rewards.to(device), world).cpu()  # (P*G,) aligned with group_ids
         all_components = {k: all_gather_cat(v.to(device), world).cpu() for k, v in components.items()}
+        extras = rank_mean({f"reward/{k}": torch.cat([r[1][k] for r in results]).mean().item()  # e.g. pickscore_raw
+                            for k in results[0][1] if k not in reward_weights}, world, device)
         if reward_fn.group_transform is not None:  # groupwise rewards (pickscore_rank) see whole groups only here
             all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
 
         # ---- ADVANTAGE: per-prompt mean, global (or per-group) std ----
         advantages = compute_advantages(all_rewards, all_components, reward_weights, group_ids,
                                         args.advantage_aggregation, args.per_group_std)
+        check_finite(f"epoch {epoch}", run_dir, reward=all_rewards, advantage=advantages)
         my_adv = advantages[rank * local_images : (rank + 1) * local_images].to(device)  # (local_images,)
         group_std = torch.stack([all_rewards[group_ids == g].std(unbiased=False) for g in range(args.prompts_per_epoch)])
 
@@ -612,7 +661,7 @@ if __name__ == "__main__":
         train_gen = seeded_generator(device, args.seed, epoch, rank, 1)  # training timesteps and noise
         stats = {"policy_loss": [], "kl": [], "anchor_kl": [], "fm_loss": []}
         k, bs = args.train_timesteps, args.train_batch_size
-        for start in tqdm(range(0, local_images, bs), desc=f"epoch {epoch} training", disable=rank != 0, leave=False):
+        for start in tqdm(range(0, local_images, bs), desc=f"epoch {epoch} training", disable=quiet, leave=False):
             mb = slice(start, start + bs)
             t_idx = stratified_timestep_indices(args.num_steps, k, args.timestep_fraction, args.time_type, train_gen)
             t = sigmas[t_idx.to(device)].repeat_interleave(bs)  # (K*B,) timestep-major: K blocks of the B samples
@@ -653,9 +702,8 @@ if __name__ == "__main__":
             offset += p.numel()
         scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, args.max_grad_norm)
-        if not torch.isfinite(grad_norm) and not scaler.is_enabled():
-            fail(f"non-finite loss/gradient at epoch {epoch}, step {global_step}; stopping. The last "
-                 f"checkpoint under {run_dir}/checkpoints is intact")
+        if not scaler.is_enabled():  # (fp16's scaler skips non-finite steps itself)
+            check_finite(f"epoch {epoch}, step {global_step}", run_dir, loss=loss, gradient=grad_norm)
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
@@ -669,20 +717,22 @@ if __name__ == "__main__":
 
         # ---- LOGGING, CHECKPOINT ----
         epoch_seconds = time.time() - epoch_start
-        metrics.update({f"losses/{k}": float(np.mean(v)) for k, v in stats.items()})
+        metrics.update(rank_mean({f"losses/{k}": float(np.mean(v)) for k, v in stats.items()}, world, device))
         metrics.update({
             "losses/grad_norm": float(grad_norm), "charts/anchor_decay": d_anchor,
             "charts/x0_norm": (x0**2).mean().item(),
             "reward/mean": all_rewards.mean().item(), "reward/std": all_rewards.std(unbiased=False).item(),
             "reward/zero_std_group_frac": (group_std == 0).float().mean().item(),
-            **{f"reward/{k}": v.mean().item() for k, v in all_components.items()},
+            **{f"reward/{k}": v.mean().item() for k, v in all_components.items()}, **extras,
             "charts/global_step": global_step, "charts/learning_rate": args.learning_rate,
             "perf/images_per_sec": images_per_epoch / sampling_seconds, "perf/epoch_seconds": epoch_seconds,
             "perf/max_mem_gb": peak_memory_gb(device),
         })
         if epoch + 1 == args.epochs:
-            metrics["eval/final_reward_mean"] = run_eval(epoch + 1)
+            metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
         log(metrics, epoch)
+        if rank == 0 and (group_std == 0).all():  # warnings.warn shows this once per run
+            warnings.warn("an epoch where every group's rewards are all equal: zero advantages, nothing to learn")
         if rank == 0:
             print(f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± {metrics['reward/std']:.4f} | policy "
                   f"{metrics['losses/policy_loss']:.3e} kl {metrics['losses/kl']:.3e} anchor {metrics['losses/anchor_kl']:.3e}"

@@ -453,10 +453,17 @@ def check_prompts(spec: str, prompts: list[str]):
 
 def load_custom(name: str):
     """`path/to/file.py:function` -> that function (called as fn(images, prompts, metadata) -> (scores, info))."""
-    path, attr = name.split(":")
+    path, attr = name.rsplit(":", 1)
+    if not os.path.isfile(path):
+        raise ValueError(f"reward file {path!r} does not exist")
     spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # a syntax error or a failing import in the user's file: one line, not a traceback
+        raise ValueError(f"reward file {path!r} does not load: {type(e).__name__}: {e}".splitlines()[0]) from None
+    if not callable(getattr(module, attr, None)):
+        raise ValueError(f"reward file {path!r} has no function {attr!r}")
     return getattr(module, attr)
 
 

@@ -51,13 +51,15 @@ def run_script(script: str, flags: list[str], nproc: int = 1, check: bool = True
     return runs[0]
 
 
-def assert_bad_input(script: str, flags: list[str], message: str):
-    """The script exits non-zero with a one-line `error: ...` naming the problem."""
-    proc = subprocess.run([sys.executable, script] + flags, cwd=REPO, env=_env(), capture_output=True, text=True,
-                          timeout=300)
+def assert_bad_input(script: str, flags: list[str], message: str, env: dict | None = None):
+    """The script exits non-zero with a one-line `error: ...` naming the problem, and leaves no run directory."""
+    proc = subprocess.run([sys.executable, script] + flags, cwd=REPO, env={**_env(), **(env or {})},
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error:") and message in last, proc.stderr[-3000:]
+    out = Path(flags[flags.index("--output-dir") + 1])
+    assert not out.exists() or not any(out.iterdir()), list(out.iterdir())
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -115,7 +117,7 @@ def assert_common_run(run_dir: Path, epochs: int) -> list[dict]:
     last = run_dir / "checkpoints" / f"epoch_{epochs:05d}"
     assert (last / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert (last / "ema_lora" / "pytorch_lora_weights.safetensors").is_file()
-    assert not any(p.name.endswith(".tmp") for p in (run_dir / "checkpoints").iterdir())
+    assert not any(p.name.startswith(".") for p in (run_dir / "checkpoints").iterdir())
     state = torch.load(last / "state.pt", map_location="cpu")
     assert state["next_epoch"] == epochs
     lora_b = [t for k, t in load_file(last / "lora" / "pytorch_lora_weights.safetensors").items() if "lora_B" in k]

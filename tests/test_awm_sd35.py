@@ -161,9 +161,9 @@ def test_anchor_trails_the_lora(one_process_run):
 def test_resume_matches_uninterrupted_run(tiny_sd3, tmp_path, one_process_run):
     flags = FAST + ["--kl-beta", "0.01"]
     first = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path / "a") + flags + ["--epochs", "1"])
-    resumed = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path / "b") + flags + [
+    resumed = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path / "a") + flags + [
         "--epochs", "2", "--resume", str(first / "checkpoints" / "epoch_00001")])
-    assert [m["epoch"] for m in read_metrics(resumed)] == [1]
+    assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]  # continues its run dir
     for name in ("lora", "anchor"):
         want = torch.load(one_process_run / "checkpoints" / "epoch_00002" / "state.pt", map_location="cpu")
         got = torch.load(resumed / "checkpoints" / "epoch_00002" / "state.pt", map_location="cpu")

@@ -7,9 +7,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SD35_SCRIPTS = ["grpo_sd35.py", "nft_sd35.py", "awm_sd35.py", "crd_sd35.py"]
-SHARED = ["fail", "load_prompts", "check_model_path", "setup_distributed", "all_gather_cat", "seeded_generator",
+SHARED = ["fail", "check_args", "load_prompts", "setup_distributed", "all_gather_cat", "seeded_generator",
           "encode", "predict_velocity", "rollout", "decode", "contact_sheet", "evaluate", "save_checkpoint",
-          "swapped", "adapters_disabled", "peak_memory_gb"]
+          "swapped", "adapters_disabled", "peak_memory_gb", "prepare_run_dir", "rank_mean", "check_finite"]
 
 
 def top_level_sources(path: Path) -> dict[str, str]:

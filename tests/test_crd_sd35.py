@@ -227,9 +227,9 @@ def test_frozen_old_half_blended_sampler_and_batch_centering(tiny_sd3, tmp_path)
 
 def test_resume_restores_all_three_lora_states(tiny_sd3, tmp_path, one_process_run):
     first = run_script(SCRIPT, flags(tiny_sd3, tmp_path / "a", "--epochs", "1"))
-    resumed = run_script(SCRIPT, flags(tiny_sd3, tmp_path / "b", "--epochs", "2", "--resume",
+    resumed = run_script(SCRIPT, flags(tiny_sd3, tmp_path / "a", "--epochs", "2", "--resume",
                                        str(first / "checkpoints" / "epoch_00001")))
-    assert [m["epoch"] for m in read_metrics(resumed)] == [1]
+    assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]  # continues its run dir
     full, again = one_process_run / "checkpoints" / "epoch_00002", resumed / "checkpoints" / "epoch_00002"
     for load in (lora_tensors, lambda c: snapshot_tensors(c, "old"), lambda c: snapshot_tensors(c, "sampling")):
         assert all(torch.allclose(w, g, atol=1e-6) for w, g in zip(load(full), load(again)))

@@ -175,9 +175,9 @@ def test_lora_starts_from_peft_default_init(one_process_run):
 
 def test_resume_matches_uninterrupted_run(tiny_flux, tmp_path, one_process_run):
     first = run_script(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path / "a") + ["--epochs", "1"])
-    resumed = run_script(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path / "b") + [
+    resumed = run_script(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path / "a") + [
         "--epochs", "2", "--resume", str(first / "checkpoints" / "epoch_00001")])
-    assert [m["epoch"] for m in read_metrics(resumed)] == [1]
+    assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]  # continues its run dir
     want = lora_tensors(one_process_run / "checkpoints" / "epoch_00002")
     got = lora_tensors(resumed / "checkpoints" / "epoch_00002")
     assert all(torch.allclose(w, g, atol=1e-6) for w, g in zip(want, got))

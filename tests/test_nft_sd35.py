@@ -137,9 +137,9 @@ def test_decay_type_2_hard_copies_and_resume_restores_old(tiny_sd3, tmp_path):
         old, lora = old_tensors(full / "checkpoints" / ckpt), lora_tensors(full / "checkpoints" / ckpt)
         assert all(torch.equal(o, c) for o, c in zip(old, lora))  # eta = 0 before step 75: old <- current
     first = run_script(SCRIPT, flags(tiny_sd3, tmp_path / "a", "--epochs", "1"))
-    resumed = run_script(SCRIPT, flags(tiny_sd3, tmp_path / "b", "--epochs", "2", "--resume",
+    resumed = run_script(SCRIPT, flags(tiny_sd3, tmp_path / "a", "--epochs", "2", "--resume",
                                        str(first / "checkpoints" / "epoch_00001")))
-    assert [m["epoch"] for m in read_metrics(resumed)] == [1]
+    assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]  # continues its run dir
     for load in (lora_tensors, old_tensors):
         want, got = load(full / "checkpoints" / "epoch_00002"), load(resumed / "checkpoints" / "epoch_00002")
         assert all(torch.allclose(w, g, atol=1e-6) for w, g in zip(want, got))

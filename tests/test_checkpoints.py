@@ -1,0 +1,152 @@
+"""Issue 14: a checkpoint is the model that was trained, and a mistake is caught before the model loads."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import FluxPipeline, StableDiffusion3Pipeline
+from peft import LoraConfig
+
+import dance_grpo_flux
+import grpo_sd35
+from scripts_harness import PROMPTS, REPO, TOY_REWARD, assert_bad_input, read_metrics, run_script, tiny_sd35_flags
+
+LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--ema-decay", "0.5", "--learning-rate", "1e-2"]  # scale 2; EMA != LoRA
+
+
+def tiny_flux_flags(model, out) -> list[str]:
+    return ["--model", str(model), "--output-dir", str(out), "--train-prompts", PROMPTS, "--test-prompts", PROMPTS,
+            "--reward", TOY_REWARD, "--resolution", "32", "--num-steps", "4", "--eval-num-steps", "3",
+            "--group-size", "4", "--prompts-per-epoch", "2", "--batch-size", "4", "--eval-batch-size", "2",
+            "--eval-every", "1", "--save-every", "1", "--max-sequence-length", "16", "--mixed-precision", "no"]
+
+
+def velocity(module, transformer, flux: bool) -> torch.Tensor:
+    """The transformer's velocity on a fixed random input, through the script's own predict_velocity."""
+    gen, cfg = torch.Generator().manual_seed(0), transformer.config
+    embeds = torch.randn(2, 5, cfg.joint_attention_dim, generator=gen)
+    pooled = torch.randn(2, cfg.pooled_projection_dim, generator=gen)
+    with torch.no_grad():
+        if flux:
+            x = torch.randn(2, 16, cfg.in_channels, generator=gen)  # 4x4 packed latent tokens
+            return module.predict_velocity(transformer, x, 0.6, embeds, pooled, torch.zeros(5, 3),
+                                           module.image_ids(4, 4, "cpu"), 3.5)
+        x = torch.randn(2, cfg.in_channels, 8, 8, generator=gen)
+        return module.predict_velocity(transformer, x, 0.6, embeds, pooled, None, None, 1.0)
+
+
+@pytest.mark.parametrize("flux", [False, True], ids=["grpo_sd35", "dance_grpo_flux"])
+def test_saved_loras_load_as_trained(tiny_sd3, tiny_flux, tmp_path, flux):
+    """`Pipeline.load_lora_weights(dir)` (README's one call) of lora/ and ema_lora/ gives the training process's
+    transformer (its LoRA, or its EMA swapped in) exactly, at the trained alpha / rank = 2 (not 1)."""
+    module, pipeline, model = (dance_grpo_flux, FluxPipeline, tiny_flux) if flux else (grpo_sd35,
+                                                                                       StableDiffusion3Pipeline, tiny_sd3)
+    flags = (tiny_flux_flags(model, tmp_path) if flux else tiny_sd35_flags(model, tmp_path) + ["--ema-interval", "0"])
+    flags += LORA + ["--epochs", "2"]  # (GRPO's EMA moves every optimizer step, so ema_lora != the initial LoRA)
+    ckpt = run_script(module.__file__, flags) / "checkpoints" / "epoch_00002"
+    state = torch.load(ckpt / "state.pt", map_location="cpu")
+    assert not all(torch.equal(a, b) for a, b in zip(state["lora"], state["ema"]))
+    trained = pipeline.from_pretrained(model).transformer  # the training process: add_adapter, then its weights
+    trained.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules=module.LORA_TARGETS))
+    params = [p for p in trained.parameters() if p.requires_grad]
+    for name in ("lora", "ema"):
+        for p, saved in zip(params, state[name]):
+            p.data.copy_(saved)
+        want = velocity(module, trained, flux)
+        pipe = pipeline.from_pretrained(model)
+        pipe.load_lora_weights(ckpt / ("lora" if name == "lora" else "ema_lora"))
+        scalings = {s for m in pipe.transformer.modules() if hasattr(m, "scaling") for s in m.scaling.values()}
+        assert scalings == {2.0}
+        got = velocity(module, pipe.transformer, flux)
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (name, (got - want).abs().max())
+        assert (got - velocity(module, pipeline.from_pretrained(model).transformer, flux)).abs().max() > 1e-4  # trained
+
+
+BAD = [
+    (["--save-every", "0"], "--save-every must be >= 1"), (["--eval-every", "0"], "--eval-every must be >= 1"),
+    (["--updates-per-epoch", "0"], "--updates-per-epoch must be >= 1"), (["--batch-size", "0"], "--batch-size must"),
+    (["--eval-batch-size", "0"], "--eval-batch-size must"), (["--learning-rate", "-1e-3"], "--learning-rate must"),
+    (["--epochs", "0"], "--epochs must be >= 1"), (["--resolution", "34"], "--resolution 34 is not a multiple of 4"),
+    (["--model", "/nonexistent/model"], "neither an existing local path"),
+    (["--resume", "/tmp"], "not a checkpoint directory"),
+]
+
+
+@pytest.mark.parametrize("script", ["grpo_sd35.py", "nft_sd35.py", "awm_sd35.py", "crd_sd35.py"])
+@pytest.mark.parametrize("extra,message", BAD, ids=[m for _, m in BAD])
+def test_bad_input_fails_before_the_model_loads(tiny_sd3, tmp_path, script, extra, message):
+    """One line, no run directory; the tiny model dir holds only config files here, so nothing could have loaded."""
+    if f"    {extra[0][2:].replace('-', '_')}:" not in (REPO / script).read_text():
+        pytest.skip(f"{script} has no {extra[0]}")  # awm_sd35.py: one update per epoch
+    model = tmp_path / "configs-only"
+    for sub in ("vae", "transformer"):
+        (model / sub).mkdir(parents=True)
+        (model / sub / "config.json").write_text((Path(tiny_sd3) / sub / "config.json").read_text())
+    assert_bad_input(script, tiny_sd35_flags(model, tmp_path / "out") + extra, message)
+
+
+def test_bad_reward_file_and_wandb_login_fail_before_the_model_loads(tiny_sd3, tmp_path):
+    model = tmp_path / "configs-only"
+    for sub in ("vae", "transformer"):
+        (model / sub).mkdir(parents=True)
+        (model / sub / "config.json").write_text((Path(tiny_sd3) / sub / "config.json").read_text())
+    flags = tiny_sd35_flags(model, tmp_path / "out")
+    broken = tmp_path / "broken.py"
+    broken.write_text("def reward(images, prompts, metadata:\n")
+    assert_bad_input("grpo_sd35.py", flags + ["--reward", f"{broken}:reward"], str(broken))
+    (tmp_path / "ok.py").write_text("def other(images, prompts, metadata):\n    return images.mean((1, 2, 3)), {}\n")
+    assert_bad_input("grpo_sd35.py", flags + ["--reward", f"{tmp_path / 'ok.py'}:reward"], "has no function 'reward'")
+    assert_bad_input("grpo_sd35.py", flags + ["--track"], "--track needs a wandb login",
+                     env={"WANDB_MODE": "online", "HOME": str(tmp_path), "WANDB_API_KEY": "", "NETRC": str(tmp_path / "n")})
+    assert_bad_input("dance_grpo_flux.py", flags + ["--resolution", "36"], "not a multiple of 8 (VAE downsampling x 2x2")
+
+
+def test_resume_refuses_what_it_cannot_continue(tiny_sd3, tmp_path):
+    run = run_script("grpo_sd35.py", tiny_sd35_flags(tiny_sd3, tmp_path / "a") + LORA + ["--epochs", "1"])
+    ckpt = run / "checkpoints" / "epoch_00001"
+    base = tiny_sd35_flags(tiny_sd3, tmp_path / "b")
+    resume = ["--epochs", "2", "--resume", str(ckpt)]
+    assert_bad_input("grpo_sd35.py", base + resume + ["--lora-rank", "8", "--lora-alpha", "8"], "--lora-rank 8 differs")
+    assert_bad_input("grpo_sd35.py", base + resume + ["--lora-rank", "4", "--lora-alpha", "4"], "--lora-alpha 4 differs")
+    assert_bad_input("grpo_sd35.py", base + LORA + ["--epochs", "1", "--resume", str(ckpt)], "not past")
+    hidden = run / "checkpoints" / ".epoch_00002.tmp"  # what a save that crashed leaves
+    hidden.mkdir()
+    (hidden / "state.pt").write_bytes((ckpt / "state.pt").read_bytes())
+    assert_bad_input("grpo_sd35.py", base + LORA + ["--epochs", "3", "--resume", str(hidden)], "unfinished saves")
+    # a resumed run continues its checkpoint's run dir, cleans the crashed save, prints its final eval
+    resumed = run_script("grpo_sd35.py", tiny_sd35_flags(tiny_sd3, tmp_path / "a") + LORA + [
+        "--epochs", "2", "--resume", str(ckpt)], check=False)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "eval after 2 epochs" in resumed.stdout and "process(es)" in resumed.stdout
+    assert [m["epoch"] for m in read_metrics(run)] == [0, 1] and not hidden.exists()
+    assert (run / "checkpoints" / "epoch_00002" / "state.pt").is_file() and not (tmp_path / "b").exists()
+
+
+def test_extra_reward_values_are_logged_and_flat_epochs_warn(tiny_sd3, tmp_path):
+    (tmp_path / "r.py").write_text("import torch\ndef flat(images, prompts, metadata):\n"
+                                   "    return torch.ones(len(prompts)), {'flat_raw': images.mean((1, 2, 3))}\n")
+    proc = run_script("grpo_sd35.py", tiny_sd35_flags(tiny_sd3, tmp_path / "out") + [
+        "--reward", f"{tmp_path / 'r.py'}:flat", "--epochs", "2"], check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("UserWarning: an epoch where every group") == 1  # warned once, not every epoch
+    (run,) = (tmp_path / "out").iterdir()
+    first, last = read_metrics(run)
+    assert 0 < first["reward/flat_raw"] < 1 and 0 < first["eval/flat_raw"] < 1 and "eval/final_flat_raw" in last
+
+
+def test_non_finite_stop_names_the_value_and_only_an_existing_checkpoint(tmp_path):
+    with pytest.raises(SystemExit, match=r"^error: non-finite reward at epoch 3; stopping. Last checkpoint: none saved"):
+        grpo_sd35.check_finite("epoch 3", str(tmp_path), reward=torch.tensor([1.0, float("nan")]), advantage=0.0)
+    (tmp_path / "checkpoints" / "epoch_00002").mkdir(parents=True)
+    (tmp_path / "checkpoints" / ".epoch_00004.tmp").mkdir()  # an unfinished save is not a checkpoint
+    with pytest.raises(SystemExit, match=r"non-finite gradient at s; stopping. Last checkpoint: .*/epoch_00002$"):
+        grpo_sd35.check_finite("s", str(tmp_path), loss=torch.tensor(0.5), gradient=torch.tensor(float("inf")))
+    grpo_sd35.check_finite("s", str(tmp_path), loss=torch.tensor(0.5), gradient=1.0)  # finite: returns
+
+
+def test_prepare_run_dir_drops_redone_epochs_and_crashed_saves(tmp_path):
+    (tmp_path / "checkpoints" / ".epoch_00003.tmp").mkdir(parents=True)
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"epoch": {e}}}\n' for e in range(4)))
+    grpo_sd35.prepare_run_dir(str(tmp_path), start_epoch=2)
+    assert [m["epoch"] for m in read_metrics(tmp_path)] == [0, 1]
+    assert list((tmp_path / "checkpoints").iterdir()) == []
