@@ -101,6 +101,24 @@ def test_bad_reward_file_and_wandb_login_fail_before_the_model_loads(tiny_sd3, t
     assert_bad_input("dance_grpo_flux.py", flags + ["--resolution", "36"], "not a multiple of 8 (VAE downsampling x 2x2")
 
 
+def test_unreachable_reward_server_fails_fast_before_the_model_loads(tiny_sd3, tmp_path):
+    """Connection refused (nothing listens on a port we just freed): the build-time probe's one line naming the URL
+    (not the training-time client's retries), and no model loaded."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    model = tmp_path / "configs-only"
+    for sub in ("vae", "transformer"):
+        (model / sub).mkdir(parents=True)
+        (model / sub / "config.json").write_text((Path(tiny_sd3) / sub / "config.json").read_text())
+    for reward in (f"geneval[url={url}]", f"remote[url={url}]"):
+        assert_bad_input("grpo_sd35.py", tiny_sd35_flags(model, tmp_path / "out") + ["--reward", reward],
+                         f"reward server {url} is not reachable")
+
+
 def test_resume_refuses_what_it_cannot_continue(tiny_sd3, tmp_path):
     run = run_script("grpo_sd35.py", tiny_sd35_flags(tiny_sd3, tmp_path / "a") + LORA + ["--epochs", "1"])
     ckpt = run / "checkpoints" / "epoch_00001"
