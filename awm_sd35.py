@@ -274,9 +274,8 @@ def check_args(args) -> dict | None:
     bad = [n for n in ("epochs", "batch_size", "eval_batch_size", "train_batch_size", "updates_per_epoch", "eval_every",
                        "save_every", "group_size", "prompts_per_epoch", "num_steps", "eval_num_steps", "lora_rank")
            if getattr(args, n, 1) < 1] + ["learning_rate"] * (args.learning_rate < 0)
-    if bad:
-        fail(f"--{bad[0].replace('_', '-')} must be {'>= 0' if bad[0] == 'learning_rate' else '>= 1'}, got "
-             f"{getattr(args, bad[0])}")
+    for n in bad[:1]:
+        fail(f"--{n.replace('_', '-')} must be >= {0 if n == 'learning_rate' else 1}, got {getattr(args, n)}")
     try:  # the small config files give the resolution's factor before the weights load
         vae, dit = (json.load(open(os.path.join(args.model, f"{d}/config.json") if os.path.exists(args.model) else
                                    hf_hub_download(args.model, f"{d}/config.json"))) for d in ("vae", "transformer"))
@@ -418,7 +417,7 @@ def evaluate(pipe, args, prompts, metadata, reward_fn, eval_sigmas, neg, rank, w
 
 def save_checkpoint(path, transformer, lora_params, ema_params, optimizer, next_epoch, global_step, args, extra: dict):
     """Atomic: written to a hidden temp dir (--resume refuses it, `epoch_*` never matches it), then renamed. `lora/`,
-    `ema_lora/`: diffusers LoRAs with their peft config (trained alpha); state.pt resumes; `extra`: its own tensors."""
+    `ema_lora/`: diffusers LoRAs + peft config (trained alpha); state.pt resumes (`extra`: the algorithm's tensors)."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     config = transformer.peft_config["default"].to_dict()
