@@ -274,13 +274,11 @@ def check_args(args) -> dict | None:
     bad = [n for n in ("epochs", "batch_size", "eval_batch_size", "train_batch_size", "updates_per_epoch", "eval_every",
                        "save_every", "group_size", "prompts_per_epoch", "num_steps", "eval_num_steps", "lora_rank")
            if getattr(args, n, 1) < 1] + ["learning_rate"] * (args.learning_rate < 0)
-    if bad:
-        fail(f"--{bad[0].replace('_', '-')} must be {'>= 0' if bad[0] == 'learning_rate' else '>= 1'}, got "
-             f"{getattr(args, bad[0])}")
+    for n in bad[:1]:
+        fail(f"--{n.replace('_', '-')} must be >= {0 if n == 'learning_rate' else 1}, got {getattr(args, n)}")
     try:  # the small config files give the resolution's factor before the weights load
-        files = ("vae/config.json", "transformer/config.json")
-        vae, dit = (json.load(open(os.path.join(args.model, f) if os.path.exists(args.model) else
-                                   hf_hub_download(args.model, f))) for f in files)
+        vae, dit = (json.load(open(os.path.join(args.model, f"{d}/config.json") if os.path.exists(args.model) else
+                                   hf_hub_download(args.model, f"{d}/config.json"))) for d in ("vae", "transformer"))
     except Exception as e:
         fail(f"model {args.model!r} is neither an existing local path nor a hub id like 'org/name' with vae/ and "
              f"transformer/ config.json ({type(e).__name__})")
@@ -298,9 +296,8 @@ def check_args(args) -> dict | None:
         fail(f"--resume {args.resume!r} is not a checkpoint directory (no state.pt; hidden ones are unfinished saves)")
     state = torch.load(path, map_location="cpu")
     for flag in STATE_FLAGS:
-        if state["args"][flag] != getattr(args, flag):
-            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)!r} differs from the checkpoint's "
-                 f"{state['args'][flag]!r}; a resumed run must keep it")
+        if (saved := state["args"][flag]) != getattr(args, flag):
+            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)!r} differs from the checkpoint's {saved!r}")
     if not args.eval_only and state["next_epoch"] >= args.epochs:
         fail(f"--epochs {args.epochs} is not past the checkpoint's {state['next_epoch']} epochs: nothing to train")
     return state
@@ -310,8 +307,7 @@ def load_prompts(path: str) -> tuple[list[str], list[dict]]:
     """One prompt per line, or JSONL (`.jsonl`) with a `prompt` field; returns prompts and per-prompt metadata."""
     if not os.path.isfile(path):
         fail(f"prompt file {path!r} does not exist")
-    with open(path, encoding="utf-8") as f:
-        lines = [line.strip() for line in f if line.strip()]
+    lines = [line.strip() for line in open(path, encoding="utf-8") if line.strip()]
     if not lines:
         fail(f"prompt file {path!r} is empty")
     if not path.endswith(".jsonl"):
@@ -349,20 +345,17 @@ def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
 
 def encode(pipe, prompts: list[str], device, max_sequence_length: int):
     """Text embeddings (B, L, 4096) and pooled (B, 2048), from CLIP-L + CLIP-G + T5 as SD3 does."""
-    embeds, _, pooled, _ = pipe.encode_prompt(prompts, None, None, device=device, do_classifier_free_guidance=False,
-                                              max_sequence_length=max_sequence_length)
-    return embeds, pooled
+    return pipe.encode_prompt(prompts, None, None, device=device, do_classifier_free_guidance=False,
+                              max_sequence_length=max_sequence_length)[::2]  # (embeds, -, pooled, -)
 
 
 def predict_velocity(transformer, x, sigma, embeds, pooled, neg_embeds, neg_pooled, guidance_scale: float):
-    """CFG velocity u + g (c - u) from one batched forward on [uncond; cond]; no uncond pass when g == 1.
-    `sigma`: a float or a per-sample (B,) tensor."""
+    """CFG velocity u + g (c - u), one forward on [uncond; cond] (cond only when g == 1); sigma: float or (B,)."""
     cfg = guidance_scale != 1.0
     timestep = (1000 * torch.as_tensor(sigma, device=x.device, dtype=torch.float32)).expand(x.shape[0])  # (B,)
     if cfg:
         x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
-        embeds = torch.cat([neg_embeds.expand_as(embeds), embeds])
-        pooled = torch.cat([neg_pooled.expand_as(pooled), pooled])
+        embeds, pooled = (torch.cat([neg.expand_as(c), c]) for neg, c in ((neg_embeds, embeds), (neg_pooled, pooled)))
     v = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds,
                     pooled_projections=pooled, return_dict=False)[0].float()
     v_uncond, v_cond = v.chunk(2) if cfg else (v, v)
@@ -374,11 +367,10 @@ def rollout(transformer, noise, sigmas, kind, noise_level, embeds, pooled, neg_e
             autocast, generator):
     """Sample from sigma = 1 to 0. Returns latents (B, T+1, C, h, w) and log-probs (B, T), all fp32."""
     x, latents, log_probs = noise.float(), [noise.float()], []
-    for i in range(len(sigmas) - 1):
+    for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
         with autocast:
-            v = predict_velocity(transformer, x, sigmas[i], embeds, pooled, neg_embeds, neg_pooled, guidance_scale)
-        x, log_prob, _, _ = sde_step(v, x, sigmas[i], sigmas[i + 1], kind, noise_level, generator=generator,
-                                     sigma_max=sigmas[1])
+            v = predict_velocity(transformer, x, sigma, embeds, pooled, neg_embeds, neg_pooled, guidance_scale)
+        x, log_prob = sde_step(v, x, sigma, sigma_next, kind, noise_level, generator=generator, sigma_max=sigmas[1])[:2]
         latents.append(x)
         log_probs.append(log_prob)
     return torch.stack(latents, dim=1), torch.stack(log_probs, dim=1)
@@ -401,18 +393,15 @@ def contact_sheet(images: list[np.ndarray], path: str):
 
 @torch.no_grad()
 def evaluate(pipe, args, prompts, metadata, reward_fn, eval_sigmas, neg, rank, world, device, autocast, shape):
-    """ODE sampling of the test prompts (prompt i on rank i % world, noise seeded by i). Returns the means of the reward
-    ("reward_mean") and of every value in its info (e.g. pickscore_raw), and the sheet."""
-    mine = list(range(rank, len(prompts), world))
+    """ODE-sample the test prompts (prompt i on rank i % world, noise seed i) -> (means of reward and info, sheet)."""
     scores, sheet = [], []
-    for start in range(0, len(mine), args.eval_batch_size):
-        idx = mine[start : start + args.eval_batch_size]
+    for start in range(rank, len(prompts), world * args.eval_batch_size):
+        idx = range(start, len(prompts), world)[: args.eval_batch_size]  # this rank's next prompts
         noise = torch.stack([torch.randn(shape, generator=seeded_generator(device, args.seed, i), device=device)
                              for i in idx])
         embeds, pooled = encode(pipe, [prompts[i] for i in idx], device, args.max_sequence_length)
-        latents, _ = rollout(pipe.transformer, noise, eval_sigmas, "ode", 0.0, embeds, pooled, *neg,
-                             args.guidance_scale, autocast, None)
-        images = decode(pipe.vae, latents[:, -1])
+        images = decode(pipe.vae, rollout(pipe.transformer, noise, eval_sigmas, "ode", 0.0, embeds, pooled, *neg,
+                                          args.guidance_scale, autocast, None)[0][:, -1])
         batch_scores, info = reward_fn(images.cpu(), [prompts[i] for i in idx], [metadata[i] for i in idx])
         scores += [{"reward_mean": float(s), **{k: float(v[j]) for k, v in info.items()}}
                    for j, s in enumerate(batch_scores.tolist())]
@@ -426,11 +415,9 @@ def evaluate(pipe, args, prompts, metadata, reward_fn, eval_sigmas, neg, rank, w
     return means, [img for _, img in sorted(sheet, key=lambda t: t[0])]
 
 
-def save_checkpoint(path: str, transformer, lora_params, ema_params, optimizer, next_epoch, global_step, args,
-                    extra: dict):
-    """Atomic: written under a hidden temp name (which --resume refuses and `epoch_*` never matches), then renamed.
-    `lora/` and `ema_lora/` are diffusers LoRAs saved with their peft config, so `load_lora_weights` rebuilds the
-    trained alpha; state.pt resumes (`extra`: the algorithm's own tensors, e.g. snapshot adapters)."""
+def save_checkpoint(path, transformer, lora_params, ema_params, optimizer, next_epoch, global_step, args, extra: dict):
+    """Atomic: written to a hidden temp dir (--resume refuses it, `epoch_*` never matches it), then renamed. `lora/`,
+    `ema_lora/`: diffusers LoRAs + peft config (trained alpha); state.pt resumes (`extra`: the algorithm's tensors)."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     config = transformer.peft_config["default"].to_dict()
@@ -468,9 +455,8 @@ def adapters_disabled(transformer):
 
 
 def peak_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
+    return (torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6)  # Linux reports KiB
 
 
 def prepare_run_dir(run_dir: str, start_epoch: int):
