@@ -620,7 +620,7 @@ if __name__ == "__main__":
         for b, batch in enumerate(tqdm(batches, desc=f"epoch {epoch} training", disable=quiet, leave=False)):
             for j in range(num_train_steps):
                 t = batch["start"] + j  # schedule index of the window's j-th step
-                x_t, x_next = batch["latents"][:, j], batch["latents"][:, j + 1]  # the window's K+1 latents (T+1: no window)
+                x_t, x_next = batch["latents"][:, j], batch["latents"][:, j + 1]  # window latents: K+1 (T+1 if none)
                 with autocast:
                     v = predict_velocity(transformer, x_t, sigmas[t], *batch["cond"], args.guidance_scale)
                 _, log_prob, mean, std = sde_step(v, x_t, sigmas[t], sigmas[t + 1], args.sde_kind, args.noise_level,
