@@ -154,12 +154,9 @@ LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.t
 STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses a checkpoint saved with other values
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Algorithm: advantages and the clipped GRPO loss
-# ---------------------------------------------------------------------------------------------------------------
+# ---- Algorithm: advantages, the clipped GRPO loss, RatioNorm, the SDE window ----
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, per_group_std: bool, eps: float = 1e-4):
     """(reward - its group's mean) / (std + eps), std over all rewards (upstream `global_std`) or within the group.
-
     rewards, group_ids: (N,). Population std as upstream's np.std. A group whose rewards are all equal gets zeros.
     """
     rewards, count = rewards.double(), torch.bincount(group_ids).double()
@@ -519,7 +516,6 @@ if __name__ == "__main__":
     with torch.no_grad():
         neg = encode(pipe, [""], device, args.max_sequence_length)  # empty-prompt CFG embedding, computed once
     eval_args = args if args.eval_guidance_scale is None else replace(args, guidance_scale=args.eval_guidance_scale)
-    reward_weights = reward_fn.weights  # {component: weight}
     start_epoch, global_step = 0, 0
     if state is not None:
         for p, saved in zip(lora_params + ema_params, state["lora"] + state["ema"]):
@@ -574,31 +570,30 @@ if __name__ == "__main__":
         for b in tqdm(range(num_batches), desc=f"epoch {epoch} sampling", disable=quiet, leave=False):
             idx = [int(chosen[g]) for g in my_groups[b]]
             prompts, meta = [train_prompts[i] for i in idx], [train_meta[i] for i in idx]
-            with torch.no_grad():
-                embeds, pooled = encode(pipe, prompts, device, args.max_sequence_length)
+            with torch.no_grad():  # cond = (embeds, pooled, neg_embeds, neg_pooled)
+                cond = (*encode(pipe, prompts, device, args.max_sequence_length), *neg)
             noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen, device=device)
             window = draw_sde_window(args.sde_window_size, window_range, args.num_steps, noise_gen)  # default (0, T)
             latents, log_probs, means, final = window_rollout(transformer, noise, sigmas, window, args.sde_kind,
-                                                              args.noise_level, (embeds, pooled, *neg),
-                                                              args.guidance_scale, autocast, noise_gen)  # (B, K+1, ...)
+                                                              args.noise_level, cond, args.guidance_scale, autocast,
+                                                              noise_gen)  # (B, K+1, ...)
             futures.append(executor.submit(reward_fn, decode(pipe.vae, final).cpu(), prompts, meta))
-            batches.append({"embeds": embeds, "pooled": pooled, "latents": latents, "log_probs": log_probs,
+            batches.append({"cond": cond, "latents": latents, "log_probs": log_probs,
                             "means": means if args.ratio_norm else None, "start": window[0]})
         sampling_seconds = time.time() - epoch_start
 
         # ---- REWARD: wait for the scorer, gather every rank's rewards in rank order ----
         results = [f.result() for f in futures]
-        local_rewards = torch.cat([r[0] for r in results]).float()  # (local_images,)
-        components = {k: torch.cat([r[1][k] for r in results]) for k in reward_weights}  # each (local_images,)
-        all_rewards = all_gather_cat(local_rewards.to(device), world).cpu()  # (P*G,) aligned with group_ids
-        all_components = {k: all_gather_cat(v.to(device), world).cpu() for k, v in components.items()}
-        extras = rank_mean({f"reward/{k}": torch.cat([r[1][k] for r in results]).mean().item()  # e.g. pickscore_raw
-                            for k in results[0][1] if k not in reward_weights}, world, device)
+        local = {k: torch.cat([r[1][k] for r in results]) for k in results[0][1]}  # each (local_images,)
+        all_rewards = all_gather_cat(torch.cat([r[0] for r in results]).float().to(device), world).cpu()  # (P*G,)
+        all_components = {k: all_gather_cat(local[k].to(device), world).cpu() for k in reward_fn.weights}
+        extras = rank_mean({f"reward/{k}": v.mean().item() for k, v in local.items() if k not in reward_fn.weights},
+                           world, device)  # components without a weight, e.g. pickscore_raw
         if reward_fn.group_transform is not None:  # groupwise rewards (pickscore_rank) see whole groups only here
             all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
 
         # ---- ADVANTAGE: per-prompt mean, global (or per-group) std ----
-        advantages = compute_advantages(all_rewards, all_components, reward_weights, group_ids,
+        advantages = compute_advantages(all_rewards, all_components, reward_fn.weights, group_ids,
                                         args.advantage_aggregation, args.per_group_std)
         check_finite(f"epoch {epoch}", run_dir, reward=all_rewards, advantage=advantages)
         my_adv = advantages[rank * local_images : (rank + 1) * local_images].to(device).view(num_batches, -1)
@@ -609,14 +604,13 @@ if __name__ == "__main__":
         stats = {"policy_loss": [], "kl": [], "approx_kl": [], "clipfrac": []}
         on_policy_dev, micro = float("nan"), 0
         for b, batch in enumerate(tqdm(batches, desc=f"epoch {epoch} training", disable=quiet, leave=False)):
-            latents = batch["latents"]  # the window's K+1 latents (all T+1 without a window)
             for j in range(num_train_steps):
                 t = batch["start"] + j  # schedule index of the window's j-th step
+                x_t, x_next = batch["latents"][:, j], batch["latents"][:, j + 1]  # window latents: K+1 (T+1 if none)
                 with autocast:
-                    v = predict_velocity(transformer, latents[:, j], sigmas[t], batch["embeds"], batch["pooled"], *neg,
-                                         args.guidance_scale)
-                _, log_prob, mean, std = sde_step(v, latents[:, j], sigmas[t], sigmas[t + 1], args.sde_kind,
-                                                  args.noise_level, prev_sample=latents[:, j + 1], sigma_max=sigmas[1])
+                    v = predict_velocity(transformer, x_t, sigmas[t], *batch["cond"], args.guidance_scale)
+                _, log_prob, mean, std = sde_step(v, x_t, sigmas[t], sigmas[t + 1], args.sde_kind, args.noise_level,
+                                                  prev_sample=x_next, sigma_max=sigmas[1])
                 old_log_prob = batch["log_probs"][:, j]
                 log_ratio = (ratio_norm_log_ratio(log_prob, old_log_prob, mean, batch["means"][:, j], std.flatten())
                              if args.ratio_norm else log_prob - old_log_prob)
@@ -625,10 +619,9 @@ if __name__ == "__main__":
                 kl = torch.zeros((), device=device)
                 if args.kl_beta > 0:
                     with torch.no_grad(), adapters_disabled(transformer), autocast:
-                        v_ref = predict_velocity(transformer, latents[:, j], sigmas[t], batch["embeds"],
-                                                 batch["pooled"], *neg, args.guidance_scale)
-                    mean_ref = sde_step(v_ref, latents[:, j], sigmas[t], sigmas[t + 1], args.sde_kind, args.noise_level,
-                                        prev_sample=latents[:, j + 1], sigma_max=sigmas[1])[2]
+                        v_ref = predict_velocity(transformer, x_t, sigmas[t], *batch["cond"], args.guidance_scale)
+                    mean_ref = sde_step(v_ref, x_t, sigmas[t], sigmas[t + 1], args.sde_kind, args.noise_level,
+                                        prev_sample=x_next, sigma_max=sigmas[1])[2]
                     # KL as upstream train_sd3.py (since commit 2d76907), not the paper's exact Eq. 10:
                     # mean over elements of (mu_theta - mu_ref)^2 / (2 sigma_t^2), sigma_t = a sqrt(s / (1 - s)) with
                     # NO sqrt(-dt) factor (CPS: its step std); the exact Gaussian KL sums, divides by sigma_t^2 (-dt).
@@ -654,10 +647,8 @@ if __name__ == "__main__":
                 if world > 1:
                     dist.all_reduce(flat)
                     flat /= world
-                offset = 0
-                for p in lora_params:
-                    p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-                    offset += p.numel()
+                for p, g in zip(lora_params, flat.split([p.numel() for p in lora_params])):
+                    p.grad.copy_(g.view_as(p))
                 scaler.unscale_(optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, args.max_grad_norm)
                 if not scaler.is_enabled():  # (fp16's scaler skips non-finite steps itself)
@@ -671,22 +662,19 @@ if __name__ == "__main__":
             per_step = args.ema_interval == 0 or args.ema_decay == 0  # decay 0: the EMA is the live weights
             if micro % accum == 0 if per_step else (global_step + 1) % args.ema_interval == 0:
                 decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))  # upstream EMA warm-up
-                with torch.no_grad():
-                    for e, p in zip(ema_params, lora_params):
-                        e.mul_(decay).add_(p.detach(), alpha=1 - decay)
+                for e, p in zip(ema_params, lora_params):  # (the EMA copies never require grad)
+                    e.mul_(decay).add_(p.detach(), alpha=1 - decay)
 
         # ---- LOGGING, CHECKPOINT ----
         epoch_seconds = time.time() - epoch_start
         metrics.update(rank_mean({f"losses/{k}": float(np.mean(v)) for k, v in stats.items()}, world, device))
-        metrics.update({
-            "losses/on_policy_ratio_dev": on_policy_dev, "losses/grad_norm": float(grad_norm),
-            "reward/mean": all_rewards.mean().item(), "reward/std": all_rewards.std(unbiased=False).item(),
-            "reward/zero_std_group_frac": (group_std == 0).float().mean().item(),
-            **{f"reward/{k}": v.mean().item() for k, v in all_components.items()}, **extras,
-            "charts/global_step": global_step, "charts/learning_rate": args.learning_rate,
-            "perf/images_per_sec": images_per_epoch / sampling_seconds, "perf/epoch_seconds": epoch_seconds,
-            "perf/max_mem_gb": peak_memory_gb(device),
-        })
+        metrics.update({"losses/on_policy_ratio_dev": on_policy_dev, "losses/grad_norm": float(grad_norm),
+                        "reward/mean": all_rewards.mean().item(), "reward/std": all_rewards.std(unbiased=False).item(),
+                        "reward/zero_std_group_frac": (group_std == 0).float().mean().item(),
+                        **{f"reward/{k}": v.mean().item() for k, v in all_components.items()}, **extras,
+                        "charts/global_step": global_step, "charts/learning_rate": args.learning_rate,
+                        "perf/images_per_sec": images_per_epoch / sampling_seconds,
+                        "perf/epoch_seconds": epoch_seconds, "perf/max_mem_gb": peak_memory_gb(device)})
         if epoch + 1 == args.epochs:
             metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
         log(metrics, epoch)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import tyro
 from diffusers import StableDiffusion3Pipeline
+from huggingface_hub import hf_hub_download
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 from PIL import Image
@@ -142,24 +143,15 @@ LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.t
 STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses a checkpoint saved with other values
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Algorithm: advantages, the old-policy decay, the NFT loss, the deterministic rollout
-# ---------------------------------------------------------------------------------------------------------------
+# ---- Algorithm: advantages, the old-policy decay, the NFT loss, the deterministic rollout ----
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, per_group_std: bool, eps: float = 1e-4):
     """(reward - its group's mean) / (std + eps), std over all rewards (upstream `global_std`) or within the group.
-
     rewards, group_ids: (N,). Population std as upstream's np.std. A group whose rewards are all equal gets zeros.
     """
-    rewards = rewards.double()
-    n_groups = int(group_ids.max()) + 1
-    count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, torch.ones_like(rewards))
-    mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, rewards) / count
-    centered = rewards - mean[group_ids]
-    if per_group_std:
-        var = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, centered**2) / count
-        std = var.sqrt()[group_ids]
-    else:
-        std = rewards.std(unbiased=False)
+    rewards, count = rewards.double(), torch.bincount(group_ids).double()
+    centered = rewards - (torch.bincount(group_ids, rewards) / count)[group_ids]
+    group_std = (torch.bincount(group_ids, centered**2) / count).sqrt()[group_ids]
+    std = group_std if per_group_std else rewards.std(unbiased=False)
     return (centered / (std + eps)).float()
 
 
@@ -173,18 +165,14 @@ def compute_advantages(rewards: torch.Tensor, components: dict[str, torch.Tensor
     return (summed - summed.mean()) / (summed.std(unbiased=False) + 1e-4)
 
 
-OLD_DECAY = {"type1_rate": 0.001, "type1_max": 0.5, "type2_start": 75, "type2_rate": 0.0075, "type2_max": 0.999}
-# upstream scripts/train_nft_sd3.py::return_decay
-
-
 def old_decay(step: int, decay_type: int) -> float:
-    """eta of the old-policy update old <- eta old + (1 - eta) current after `step` optimizer steps."""
-    c = OLD_DECAY
+    """eta of the old-policy update old <- eta old + (1 - eta) current after `step` optimizer steps
+    (upstream scripts/train_nft_sd3.py::return_decay)."""
     if decay_type == 0:
         return 0.0
     if decay_type == 1:
-        return min(c["type1_rate"] * step, c["type1_max"])
-    return 0.0 if step < c["type2_start"] else min(c["type2_rate"] * (step - c["type2_start"]), c["type2_max"])
+        return min(0.001 * step, 0.5)
+    return 0.0 if step < 75 else min(0.0075 * (step - 75), 0.999)
 
 
 def nft_loss(v, v_old, x0, xt, t, advantages, beta: float, adv_clip: float = 5.0):
@@ -525,7 +513,6 @@ if __name__ == "__main__":
     eval_sigmas = pipe.scheduler.sigmas.float()
     with torch.no_grad():
         neg = encode(pipe, [""], device, args.max_sequence_length)  # empty-prompt CFG embedding, computed once
-    reward_weights = reward_fn.weights  # {component: weight}
     start_epoch, global_step = 0, 0
     if state is not None:
         for p, saved in zip(lora_params + ema_params + old_params, state["lora"] + state["ema"] + state["extra"]["old"]):
@@ -581,29 +568,28 @@ if __name__ == "__main__":
             for b in tqdm(range(num_batches), desc=f"epoch {epoch} sampling", disable=quiet, leave=False):
                 idx = [int(chosen[g]) for g in my_groups[b]]
                 prompts, meta = [train_prompts[i] for i in idx], [train_meta[i] for i in idx]
-                with torch.no_grad():
-                    embeds, pooled = encode(pipe, prompts, device, args.max_sequence_length)
+                with torch.no_grad():  # cond = (embeds, pooled, neg_embeds, neg_pooled)
+                    cond = (*encode(pipe, prompts, device, args.max_sequence_length), *neg)
                 noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen, device=device)
                 with autocast:
-                    x0 = dpm_sample(lambda x, sigma: predict_velocity(transformer, x, sigma, embeds, pooled, *neg,
+                    x0 = dpm_sample(lambda x, sigma: predict_velocity(transformer, x, sigma, *cond,
                                                                       args.guidance_scale), noise, grid)[:, -1]
                 futures.append(executor.submit(reward_fn, decode(pipe.vae, x0).cpu(), prompts, meta))
-                batches.append({"embeds": embeds, "pooled": pooled, "x0": x0})
+                batches.append({"cond": cond, "x0": x0})
         sampling_seconds = time.time() - epoch_start
 
         # ---- REWARD: wait for the scorer, gather every rank's rewards in rank order ----
         results = [f.result() for f in futures]
-        local_rewards = torch.cat([r[0] for r in results]).float()  # (local_images,)
-        components = {k: torch.cat([r[1][k] for r in results]) for k in reward_weights}  # each (local_images,)
-        all_rewards = all_gather_cat(local_rewards.to(device), world).cpu()  # (P*G,) aligned with group_ids
-        all_components = {k: all_gather_cat(v.to(device), world).cpu() for k, v in components.items()}
-        extras = rank_mean({f"reward/{k}": torch.cat([r[1][k] for r in results]).mean().item()  # e.g. pickscore_raw
-                            for k in results[0][1] if k not in reward_weights}, world, device)
+        local = {k: torch.cat([r[1][k] for r in results]) for k in results[0][1]}  # each (local_images,)
+        all_rewards = all_gather_cat(torch.cat([r[0] for r in results]).float().to(device), world).cpu()  # (P*G,)
+        all_components = {k: all_gather_cat(local[k].to(device), world).cpu() for k in reward_fn.weights}
+        extras = rank_mean({f"reward/{k}": v.mean().item() for k, v in local.items() if k not in reward_fn.weights},
+                           world, device)  # components without a weight, e.g. pickscore_raw
         if reward_fn.group_transform is not None:  # groupwise rewards (pickscore_rank) see whole groups only here
             all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
 
         # ---- ADVANTAGE: per-prompt mean, global (or per-group) std ----
-        advantages = compute_advantages(all_rewards, all_components, reward_weights, group_ids,
+        advantages = compute_advantages(all_rewards, all_components, reward_fn.weights, group_ids,
                                         args.advantage_aggregation, args.per_group_std)
         check_finite(f"epoch {epoch}", run_dir, reward=all_rewards, advantage=advantages)
         my_adv = advantages[rank * local_images : (rank + 1) * local_images].to(device).view(num_batches, -1)
@@ -622,16 +608,14 @@ if __name__ == "__main__":
                 noise = torch.randn(x0.shape, generator=train_gen, device=device)
                 xt = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * noise
                 with torch.no_grad(), swapped(lora_params, old_params), autocast:
-                    v_old = predict_velocity(transformer, xt, t, batch["embeds"], batch["pooled"], *neg,
-                                             args.guidance_scale)
+                    v_old = predict_velocity(transformer, xt, t, *batch["cond"], args.guidance_scale)
                 with autocast:
-                    v = predict_velocity(transformer, xt, t, batch["embeds"], batch["pooled"], *neg, args.guidance_scale)
+                    v = predict_velocity(transformer, xt, t, *batch["cond"], args.guidance_scale)
                 policy_loss = nft_loss(v, v_old, x0, xt, t, my_adv[b], args.beta, args.adv_clip)
                 kl = torch.zeros((), device=device)
                 if args.kl_beta > 0:
                     with torch.no_grad(), adapters_disabled(transformer), autocast:
-                        v_ref = predict_velocity(transformer, xt, t, batch["embeds"], batch["pooled"], *neg,
-                                                 args.guidance_scale)
+                        v_ref = predict_velocity(transformer, xt, t, *batch["cond"], args.guidance_scale)
                     kl = ((v - v_ref) ** 2).mean(dim=(1, 2, 3)).mean()  # upstream: plain velocity MSE to the base
                 loss = policy_loss + args.kl_beta * kl
                 scaler.scale(loss / accum).backward()
@@ -649,10 +633,8 @@ if __name__ == "__main__":
                 if world > 1:
                     dist.all_reduce(flat)
                     flat /= world
-                offset = 0
-                for p in lora_params:
-                    p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-                    offset += p.numel()
+                for p, g in zip(lora_params, flat.split([p.numel() for p in lora_params])):
+                    p.grad.copy_(g.view_as(p))
                 scaler.unscale_(optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, args.max_grad_norm)
                 if not scaler.is_enabled():  # (fp16's scaler skips non-finite steps itself)
@@ -662,29 +644,26 @@ if __name__ == "__main__":
                 optimizer.zero_grad(set_to_none=True)
                 global_step += 1
                 decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))  # upstream EMA warm-up
-                with torch.no_grad():
-                    for e, p in zip(ema_params, lora_params):
-                        e.mul_(decay).add_(p.detach(), alpha=1 - decay)
+                for e, p in zip(ema_params, lora_params):  # (the EMA copies never require grad)
+                    e.mul_(decay).add_(p.detach(), alpha=1 - decay)
 
         # ---- OLD POLICY: old <- eta old + (1 - eta) current, eta from the decay schedule in optimizer steps ----
         eta = old_decay(global_step, args.decay_type)
-        with torch.no_grad():
-            for o, p in zip(old_params, lora_params):
-                o.mul_(eta).add_(p.detach(), alpha=1 - eta)
+        for o, p in zip(old_params, lora_params):  # (the old copies never require grad)
+            o.mul_(eta).add_(p.detach(), alpha=1 - eta)
 
         # ---- LOGGING, CHECKPOINT ----
         epoch_seconds = time.time() - epoch_start
         metrics.update(rank_mean({f"losses/{k}": float(np.mean(v)) for k, v in stats.items()}, world, device))
-        metrics.update({
-            "losses/first_old_deviate": first_old_deviate, "losses/grad_norm": float(grad_norm), "charts/old_decay": eta,
-            "charts/x0_norm": torch.stack([(b["x0"] ** 2).mean() for b in batches]).mean().item(),
-            "reward/mean": all_rewards.mean().item(), "reward/std": all_rewards.std(unbiased=False).item(),
-            "reward/zero_std_group_frac": (group_std == 0).float().mean().item(),
-            **{f"reward/{k}": v.mean().item() for k, v in all_components.items()}, **extras,
-            "charts/global_step": global_step, "charts/learning_rate": args.learning_rate,
-            "perf/images_per_sec": images_per_epoch / sampling_seconds, "perf/epoch_seconds": epoch_seconds,
-            "perf/max_mem_gb": peak_memory_gb(device),
-        })
+        metrics.update({"losses/first_old_deviate": first_old_deviate, "losses/grad_norm": float(grad_norm),
+                        "charts/old_decay": eta,
+                        "charts/x0_norm": torch.stack([(b["x0"] ** 2).mean() for b in batches]).mean().item(),
+                        "reward/mean": all_rewards.mean().item(), "reward/std": all_rewards.std(unbiased=False).item(),
+                        "reward/zero_std_group_frac": (group_std == 0).float().mean().item(),
+                        **{f"reward/{k}": v.mean().item() for k, v in all_components.items()}, **extras,
+                        "charts/global_step": global_step, "charts/learning_rate": args.learning_rate,
+                        "perf/images_per_sec": images_per_epoch / sampling_seconds,
+                        "perf/epoch_seconds": epoch_seconds, "perf/max_mem_gb": peak_memory_gb(device)})
         if epoch + 1 == args.epochs:
             metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
         log(metrics, epoch)
