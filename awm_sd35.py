@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import tyro
 from diffusers import SASolverScheduler, StableDiffusion3Pipeline
+from huggingface_hub import hf_hub_download
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 from PIL import Image
@@ -44,7 +45,6 @@ from sde import sde_step
 
 @dataclass
 class Args:
-    # ---- experiment ----
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (wandb group and run-directory prefix)"""
     seed: int = 42
@@ -61,7 +61,6 @@ class Args:
     """checkpoint directory to continue from (continues at the epoch after it)"""
     eval_only: bool = False
     """only evaluate (the EMA weights of --resume, or the base model) on the test prompts, then exit"""
-    # ---- model ----
     model: str = "stabilityai/stable-diffusion-3.5-medium"
     """hub id or local path of a diffusers StableDiffusion3Pipeline"""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
@@ -74,7 +73,6 @@ class Args:
     """LoRA alpha (scale = alpha / rank)"""
     max_sequence_length: int = 128
     """T5 tokens per prompt (upstream: 128)"""
-    # ---- data and reward ----
     train_prompts: str = "prompts/train.txt"
     """training prompts: one per line, or JSONL with a `prompt` field (other fields are passed to the reward)"""
     test_prompts: str = "prompts/test.txt"
@@ -85,7 +83,6 @@ class Args:
     """reward for eval; None = the training reward"""
     advantage_aggregation: Literal["sum", "gdpo"] = "sum"
     """several rewards: normalise their weighted sum (upstream), or each within its group then sum (GDPO, arXiv:2601.05242)"""
-    # ---- sampling ----
     resolution: int = 512
     """image height and width in pixels"""
     num_steps: int = 14
@@ -100,7 +97,6 @@ class Args:
     """SA-Solver stochasticity tau inside --tau-window (0 = ODE); with flow_sde, a in sigma_t = a sqrt(sigma / (1 - sigma))"""
     tau_window: tuple[float, float] = (0.3, 0.9)
     """SA-Solver steps whose target sigma lies in this closed range use tau = --noise-level, all others tau = 0"""
-    # ---- batch sizes (global ones do not depend on the GPU count) ----
     group_size: int = 24
     """images per prompt (the group whose mean is the advantage baseline)"""
     prompts_per_epoch: int = 72
@@ -113,7 +109,6 @@ class Args:
     """per-GPU eval batch"""
     epochs: int = 1000
     """epochs to train (each = sample, score, ONE optimizer step over all micro-batches)"""
-    # ---- optimisation ----
     learning_rate: float = 3e-4
     """AdamW learning rate (constant)"""
     weight_decay: float = 1e-4
@@ -122,7 +117,6 @@ class Args:
     """gradient-norm clip"""
     ema_decay: float = 0.99
     """eval EMA of the LoRA weights (warm-up min(decay, (1+s)/(10+s))), used for eval and the saved `ema_lora` (0 disables)"""
-    # ---- algorithm ----
     train_timesteps: int = 6
     """K: timesteps per micro-batch, one per stratum of the grid, shared by every sample of the micro-batch"""
     time_type: Literal["discrete_wo_init", "discrete"] = "discrete_wo_init"
@@ -147,7 +141,6 @@ class Args:
     """anchor update anchor <- d anchor + (1 - d) lora after each epoch, d = min(max, rate * global_step)"""
     anchor_decay_rate: float = 0.001
     """slope of the anchor decay in optimizer steps (upstream kl_ema_decay_type='linear')"""
-    # ---- logging, eval, checkpoints ----
     eval_every: int = 20
     """evaluate every N epochs (and after the last; upstream OCR config: 20, GenEval / PickScore: 50)"""
     eval_sheet_size: int = 16
@@ -159,6 +152,9 @@ class Args:
 LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
                 "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]  # the 8 joint-attention projections
 STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses a checkpoint saved with other values
+LOG_PROB_EPS = 1e-10  # upstream compute_log_prob_awm: keeps (l + eps)^p differentiable at l = 0
+HUBER_OFFSET = 1e-5  # upstream 'huber': -t (sqrt(l + eps) - 1e-5)
+SA_SOLVER_T_START = 1 - 1e-3  # upstream sd3_pipeline_with_logprob: the SA-Solver grid starts just below sigma = 1
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -166,17 +162,12 @@ STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses a checkpo
 # ---------------------------------------------------------------------------------------------------------------
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, per_group_std: bool, eps: float = 1e-4):
     """(reward - its group's mean) / (std + eps), std over all rewards (upstream `global_std`) or within the group.
-
-    rewards, group_ids: (N,). Population std as upstream's np.std. A group whose rewards are all equal gets zeros.
-    """
+    rewards, group_ids: (N,). Population std as upstream's np.std. A group whose rewards are all equal gets zeros."""
     rewards = rewards.double()
-    n_groups = int(group_ids.max()) + 1
-    count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, torch.ones_like(rewards))
-    mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, rewards) / count
-    centered = rewards - mean[group_ids]
+    count = torch.bincount(group_ids).double()  # (n_groups,)
+    centered = rewards - (torch.zeros_like(count).index_add_(0, group_ids, rewards) / count)[group_ids]
     if per_group_std:
-        var = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, centered**2) / count
-        std = var.sqrt()[group_ids]
+        std = (torch.zeros_like(count).index_add_(0, group_ids, centered**2) / count).sqrt()[group_ids]
     else:
         std = rewards.std(unbiased=False)
     return (centered / (std + eps)).float()
@@ -192,20 +183,12 @@ def compute_advantages(rewards: torch.Tensor, components: dict[str, torch.Tensor
     return (summed - summed.mean()) / (summed.std(unbiased=False) + 1e-4)
 
 
-LOG_PROB_EPS = 1e-10  # upstream compute_log_prob_awm: keeps (l + eps)^p differentiable at l = 0
-HUBER_OFFSET = 1e-5  # upstream 'huber': -t (sqrt(l + eps) - 1e-5)
-SA_SOLVER_T_START = 1 - 1e-3  # upstream sd3_pipeline_with_logprob: the SA-Solver grid starts just below sigma = 1
-
-
 def awm_log_prob(v, x0, noise, t, weighting="ghuber", power=0.25) -> torch.Tensor:
     """AWM's log-likelihood proxy (B,), float64 (upstream train_sd3_awm.py::compute_log_prob_awm).
-
     v, x0, noise: (B, ...) velocity at x_t = (1 - t) x0 + t noise, the clean latent and the noise; t: float or (B,).
     l = mean over elements of (v - (noise - x0))^2 (the flow-matching error), then
-    'Uniform' -l, 't' -t l, 't**2' -t^2 l, 'huber' -t (sqrt(l + eps) - 1e-5), 'ghuber' -(t / p)((l + eps)^p - eps^p).
-    """
-    err = (v.double() - (noise.double() - x0.double())) ** 2
-    loss = err.mean(dim=tuple(range(1, err.ndim)))  # (B,)
+    'Uniform' -l, 't' -t l, 't**2' -t^2 l, 'huber' -t (sqrt(l + eps) - 1e-5), 'ghuber' -(t / p)((l + eps)^p - eps^p)."""
+    loss = ((v.double() - (noise.double() - x0.double())) ** 2).flatten(1).mean(1)  # (B,)
     t = torch.as_tensor(t, dtype=torch.float64, device=loss.device).expand_as(loss)
     penalties = {"Uniform": loss, "t": t * loss, "t**2": t**2 * loss,
                  "huber": t * (torch.sqrt(loss + LOG_PROB_EPS) - HUBER_OFFSET),
@@ -226,11 +209,9 @@ def awm_policy_loss(log_prob, old_log_prob, advantages, clip_range: float, adv_c
 def stratified_timestep_indices(num_steps: int, k: int, fraction: float, time_type: str,
                                 generator: torch.Generator) -> torch.Tensor:
     """K rollout-grid indices (K,), one uniformly drawn per stratum (upstream train_sd3_awm.py, `time_type`).
-
     With M = int(num_steps * fraction) the strata are the integer ranges [b_i, b_i+1) between the floored points b of
     linspace(lo, M, K + 1): lo = 1 for 'discrete_wo_init' (index 0, sigma = 1, is never drawn), lo = 0 for 'discrete'.
-    A stratum of width 0 yields its lower end.
-    """
+    A stratum of width 0 yields its lower end."""
     bounds = torch.linspace(0 if time_type == "discrete" else 1, int(num_steps * fraction), k + 1).long()
     u = torch.rand(k, generator=generator, device=generator.device).cpu()
     return bounds[:-1] + (u * (bounds[1:] - bounds[:-1])).long()
@@ -541,9 +522,7 @@ if __name__ == "__main__":
         transformer.enable_gradient_checkpointing()
     optimizer = torch.optim.AdamW(lora_params, lr=args.learning_rate, weight_decay=args.weight_decay)
     scaler = torch.amp.GradScaler(device.type, enabled=args.mixed_precision == "fp16")
-    ema_params = [p.detach().clone() for p in lora_params]
-    # the anchor ("ema" adapter upstream): a trailing copy of the LoRA, swapped into the live LoRA for its forward
-    anchor_params = [p.detach().clone() for p in lora_params]
+    ema_params, anchor_params = [p.detach().clone() for p in lora_params], [p.detach().clone() for p in lora_params]
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     latent_shape = (transformer.config.in_channels, *[args.resolution // pipe.vae_scale_factor] * 2)
     pipe.scheduler.set_timesteps(args.num_steps, device=device)
@@ -552,16 +531,13 @@ if __name__ == "__main__":
     eval_sigmas = pipe.scheduler.sigmas.float()
     solver = SASolverScheduler(use_flow_sigmas=True, prediction_type="flow_prediction", predictor_order=2,
                                corrector_order=2)
-    with torch.no_grad():
-        neg = encode(pipe, [""], device, args.max_sequence_length)  # empty-prompt CFG embedding, computed once
-    reward_weights = reward_fn.weights  # {component: weight}
-    start_epoch, global_step = 0, 0
+    neg = encode(pipe, [""], device, args.max_sequence_length)  # empty-prompt CFG embedding (frozen: no graph)
+    start_epoch, global_step = (state["next_epoch"], state["global_step"]) if state is not None else (0, 0)
     if state is not None:
         for params, saved in ((lora_params, "lora"), (ema_params, "ema"), (anchor_params, "anchor")):
             for p, value in zip(params, state["extra"]["anchor"] if saved == "anchor" else state[saved]):
                 p.data.copy_(value)
         optimizer.load_state_dict(state["optimizer"])
-        start_epoch, global_step = state["next_epoch"], state["global_step"]
     if rank == 0:  # created only now: a run that fails earlier leaves no directory behind
         prepare_run_dir(run_dir, start_epoch)
     if args.track and rank == 0:
@@ -597,10 +573,8 @@ if __name__ == "__main__":
 
         # ---- SAMPLING: identical prompt draw on every rank; each group's images spread over ranks; keep final x0 ----
         prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
-        if len(train_prompts) >= args.prompts_per_epoch:
-            chosen = torch.randperm(len(train_prompts), generator=prompt_gen)[: args.prompts_per_epoch]
-        else:
-            chosen = torch.randint(len(train_prompts), (args.prompts_per_epoch,), generator=prompt_gen)
+        n, m = len(train_prompts), args.prompts_per_epoch  # m distinct prompts when there are enough
+        chosen = torch.randperm(n, generator=prompt_gen)[:m] if n >= m else torch.randint(n, (m,), generator=prompt_gen)
         order = torch.randperm(images_per_epoch, generator=prompt_gen)
         group_ids = torch.arange(args.prompts_per_epoch).repeat_interleave(args.group_size)[order]  # (P*G,) all ranks
         my_groups = group_ids[rank * local_images : (rank + 1) * local_images].view(num_batches, args.batch_size)
@@ -610,8 +584,7 @@ if __name__ == "__main__":
         for b in tqdm(range(num_batches), desc=f"epoch {epoch} sampling", disable=quiet, leave=False):
             idx = [int(chosen[g]) for g in my_groups[b]]
             prompts, meta = [train_prompts[i] for i in idx], [train_meta[i] for i in idx]
-            with torch.no_grad():
-                batch_embeds, batch_pooled = encode(pipe, prompts, device, args.max_sequence_length)
+            batch_embeds, batch_pooled = encode(pipe, prompts, device, args.max_sequence_length)  # frozen: no graph
             noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen, device=device)
             cond = (batch_embeds, batch_pooled, *neg, args.guidance_scale, autocast, noise_gen)
             if args.sampler == "sa_solver":
@@ -626,17 +599,16 @@ if __name__ == "__main__":
 
         # ---- REWARD: wait for the scorer, gather every rank's rewards in rank order ----
         results = [f.result() for f in futures]
-        local_rewards = torch.cat([r[0] for r in results]).float()  # (local_images,)
-        components = {k: torch.cat([r[1][k] for r in results]) for k in reward_weights}  # each (local_images,)
-        all_rewards = all_gather_cat(local_rewards.to(device), world).cpu()  # (P*G,) aligned with group_ids
-        all_components = {k: all_gather_cat(v.to(device), world).cpu() for k, v in components.items()}
-        extras = rank_mean({f"reward/{k}": torch.cat([r[1][k] for r in results]).mean().item()  # e.g. pickscore_raw
-                            for k in results[0][1] if k not in reward_weights}, world, device)
+        info = {k: torch.cat([r[1][k] for r in results]) for k in results[0][1]}  # each (local_images,)
+        all_rewards = all_gather_cat(torch.cat([r[0] for r in results]).float().to(device), world).cpu()  # (P*G,)
+        all_components = {k: all_gather_cat(info[k].to(device), world).cpu() for k in reward_fn.weights}
+        extras = rank_mean({f"reward/{k}": v.mean().item() for k, v in info.items() if k not in reward_fn.weights},
+                           world, device)  # info beyond the weighted components, e.g. pickscore_raw
         if reward_fn.group_transform is not None:  # groupwise rewards (pickscore_rank) see whole groups only here
             all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
 
         # ---- ADVANTAGE: per-prompt mean, global (or per-group) std ----
-        advantages = compute_advantages(all_rewards, all_components, reward_weights, group_ids,
+        advantages = compute_advantages(all_rewards, all_components, reward_fn.weights, group_ids,
                                         args.advantage_aggregation, args.per_group_std)
         check_finite(f"epoch {epoch}", run_dir, reward=all_rewards, advantage=advantages)
         my_adv = advantages[rank * local_images : (rank + 1) * local_images].to(device)  # (local_images,)
@@ -660,17 +632,15 @@ if __name__ == "__main__":
                     with adapters_disabled(transformer):
                         v_base = predict_velocity(transformer, xt, t, *cond, *neg, args.guidance_scale)
                 if args.anchor_beta > 0:
-                    with swapped(lora_params, anchor_params):
+                    with swapped(lora_params, anchor_params):  # the anchor: upstream's "ema" adapter
                         v_anchor = predict_velocity(transformer, xt, t, *cond, *neg, args.guidance_scale)
             with autocast:
                 v = predict_velocity(transformer, xt, t, *cond, *neg, args.guidance_scale)  # (K*B, C, h, w)
             log_prob = awm_log_prob(v, x0_k, noise, t, args.weighting, args.ghuber_power)  # (K*B,) float64
-            # on-policy as upstream: logp_old is this very forward, detached, so the ratio is exactly 1
-            policy_loss, _ = awm_policy_loss(log_prob, log_prob.detach(), my_adv[mb].repeat(k), args.clip_range,
-                                             args.adv_clip)
-            zero = torch.zeros((), device=device)
-            kl = ((v - v_base) ** 2).mean() if args.kl_beta > 0 else zero
-            anchor_kl = ((v - v_anchor) ** 2).mean() if args.anchor_beta > 0 else zero
+            policy_loss, _ = awm_policy_loss(log_prob, log_prob.detach(),  # on-policy as upstream: logp_old = logp
+                                             my_adv[mb].repeat(k), args.clip_range, args.adv_clip)  # so ratio == 1
+            kl = ((v - v_base) ** 2).mean() if args.kl_beta > 0 else v.new_zeros(())
+            anchor_kl = ((v - v_anchor) ** 2).mean() if args.anchor_beta > 0 else v.new_zeros(())
             loss = policy_loss.float() + args.kl_beta * kl + args.anchor_beta * anchor_kl
             scaler.scale(loss / num_micro).backward()
             fm_loss = ((v.detach() - (noise - x0_k)) ** 2).mean()
@@ -678,14 +648,11 @@ if __name__ == "__main__":
                 stats[key].append(value.item())
 
         # the epoch's one optimizer step: average LoRA grads over ranks in one flat all-reduce, clip, step, EMA
-        flat = torch.cat([p.grad.flatten() for p in lora_params])
         if world > 1:
+            flat = torch.cat([p.grad.flatten() for p in lora_params])
             dist.all_reduce(flat)
-            flat /= world
-        offset = 0
-        for p in lora_params:
-            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+            for p, g in zip(lora_params, flat.div_(world).split([p.numel() for p in lora_params])):
+                p.grad.copy_(g.view_as(p))
         scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, args.max_grad_norm)
         if not scaler.is_enabled():  # (fp16's scaler skips non-finite steps itself)
@@ -696,24 +663,21 @@ if __name__ == "__main__":
         global_step += 1
         decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))  # upstream EMA warm-up
         d_anchor = min(args.anchor_decay_max, args.anchor_decay_rate * global_step)  # upstream 'linear' anchor decay
-        with torch.no_grad():
-            for e, a, p in zip(ema_params, anchor_params, lora_params):
-                e.mul_(decay).add_(p.detach(), alpha=1 - decay)
-                a.mul_(d_anchor).add_(p.detach(), alpha=1 - d_anchor)
+        for e, a, p in zip(ema_params, anchor_params, lora_params):  # plain tensors: no autograd graph
+            e.mul_(decay).add_(p.detach(), alpha=1 - decay)
+            a.mul_(d_anchor).add_(p.detach(), alpha=1 - d_anchor)
 
         # ---- LOGGING, CHECKPOINT ----
         epoch_seconds = time.time() - epoch_start
         metrics.update(rank_mean({f"losses/{k}": float(np.mean(v)) for k, v in stats.items()}, world, device))
         metrics.update({
             "losses/grad_norm": float(grad_norm), "charts/anchor_decay": d_anchor,
-            "charts/x0_norm": (x0**2).mean().item(),
             "reward/mean": all_rewards.mean().item(), "reward/std": all_rewards.std(unbiased=False).item(),
             "reward/zero_std_group_frac": (group_std == 0).float().mean().item(),
             **{f"reward/{k}": v.mean().item() for k, v in all_components.items()}, **extras,
             "charts/global_step": global_step, "charts/learning_rate": args.learning_rate,
             "perf/images_per_sec": images_per_epoch / sampling_seconds, "perf/epoch_seconds": epoch_seconds,
-            "perf/max_mem_gb": peak_memory_gb(device),
-        })
+            "perf/max_mem_gb": peak_memory_gb(device), "charts/x0_norm": (x0**2).mean().item()})
         if epoch + 1 == args.epochs:
             metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
         log(metrics, epoch)
