@@ -42,7 +42,6 @@ from sde import sde_step, shift_sigmas
 
 @dataclass
 class Args:
-    # ---- experiment ----
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (wandb group and run-directory prefix)"""
     seed: int = 42
@@ -59,7 +58,6 @@ class Args:
     """checkpoint directory to continue from (continues at the epoch after it)"""
     eval_only: bool = False
     """only evaluate (the EMA weights of --resume, or the base model) on the test prompts, then exit"""
-    # ---- model ----
     model: str = "stabilityai/stable-diffusion-3.5-medium"
     """hub id or local path of a diffusers StableDiffusion3Pipeline"""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
@@ -72,7 +70,6 @@ class Args:
     """LoRA alpha (scale = alpha / rank)"""
     max_sequence_length: int = 256
     """T5 tokens per prompt (the port: diffusers' default 256)"""
-    # ---- data and reward ----
     train_prompts: str = "prompts/train.txt"
     """training prompts: one per line, or JSONL with a `prompt` field (other fields are passed to the reward)"""
     test_prompts: str = "prompts/test.txt"
@@ -83,7 +80,6 @@ class Args:
     """reward for eval; None = the training reward"""
     advantage_aggregation: Literal["sum", "gdpo"] = "sum"
     """several rewards: normalise their weighted sum (upstream), or each within its group then sum (GDPO, arXiv:2601.05242)"""
-    # ---- sampling ----
     resolution: int = 512
     """image height and width in pixels"""
     num_steps: int = 10
@@ -92,7 +88,6 @@ class Args:
     """Euler ODE steps for eval"""
     guidance_scale: float = 1.0
     """classifier-free guidance scale in rollouts, the trained forward and eval (CRD is CFG-free: 1.0)"""
-    # ---- batch sizes (global ones do not depend on the GPU count) ----
     group_size: int = 24
     """images per prompt (the centering group)"""
     prompts_per_epoch: int = 48
@@ -105,7 +100,6 @@ class Args:
     """optimizer steps per epoch"""
     epochs: int = 1000
     """epochs to train (each = sample, score, update)"""
-    # ---- optimisation ----
     learning_rate: float = 3e-4
     """AdamW learning rate (constant)"""
     weight_decay: float = 1e-4
@@ -116,7 +110,6 @@ class Args:
     """EMA decay (power warm-up min(d, (1+n)/(10+n))) of the LoRA used for eval and the saved `ema` LoRA (0 disables)"""
     ema_every: int = 10
     """update the EMA once every N epochs, n = epoch (the port); 0 = after every optimizer step, n = optimizer steps"""
-    # ---- algorithm ----
     crd_beta: float = 1.0
     """scale of the implicit reward in the regression crd_beta (r - r_mean) ~ (a - a_mean)"""
     weight_temp: float = -1.0
@@ -143,7 +136,6 @@ class Args:
     """advantages are clipped to +-adv_clip, then mapped to a = clip(A) / (2 adv_clip) + 0.5 in [0, 1]"""
     per_group_std: bool = False
     """normalise advantages by each group's std instead of the epoch's global std (upstream default: global)"""
-    # ---- logging, eval, checkpoints ----
     eval_every: int = 20
     """evaluate every N epochs (and after the last)"""
     eval_sheet_size: int = 16
@@ -155,12 +147,9 @@ class Args:
 LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
                 "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]  # the 8 joint-attention projections
 STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses a checkpoint saved with other values
-ERROR_FLOOR, KL_FLOOR = 1e-5, 1e-4  # port: clamp of the adaptive mean |error|; adaptive KL weight at a = 0
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Algorithm: advantages, snapshot schedules, implicit reward, centered loss, KL
-# ---------------------------------------------------------------------------------------------------------------
+# ---- Algorithm: advantages, snapshot schedules, implicit reward, centered loss, KL ----------------------------------
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, per_group_std: bool, eps: float = 1e-4):
     """(reward - its group's mean) / (std + eps), std over all rewards (upstream `global_std`) or within the group;
     rewards, group_ids: (N,). Population std as upstream's np.std. A group whose rewards are all equal gets zeros."""
@@ -221,7 +210,7 @@ def crd_implicit_reward(v, v_old, target, adaptive: bool = True) -> torch.Tensor
     (B, ...); w = detached per-sample mean |e| clamped >= 1e-5 if `adaptive`, else 1. Grad through v (port: step 4)."""
     dims = tuple(range(1, v.dim()))
     err, err_old = v.double() - target.double(), v_old.detach().double() - target.double()
-    w, w_old = (e.detach().abs().mean(dims, True).clamp_min(ERROR_FLOOR) if adaptive else 1.0 for e in (err, err_old))
+    w, w_old = (e.detach().abs().mean(dims, True).clamp_min(1e-5) if adaptive else 1.0 for e in (err, err_old))  # port
     return -(err**2 / w - err_old**2 / w_old).mean(dim=dims).float()
 
 
@@ -231,8 +220,7 @@ def crd_loss(r_theta, a, group_ids, crd_beta: float = 1.0, weight_temp: float = 
     - (a - a_bar); loss = mean_N d^2 (mean over the p's) x adv_clip / crd_beta (port: _compute_crd_loss)."""
     total = r_theta.new_zeros(())
     for g in group_ids.unique():
-        member = group_ids == g
-        r, ag = r_theta[member], a[member].to(r_theta.dtype)
+        r, ag = r_theta[group_ids == g], a[group_ids == g].to(r_theta.dtype)
         uniform = torch.full_like(ag, 1 / len(ag))
         if weight_temp != 0:  # uniform (< 0), or two softmax centerings (> 0)
             weights = [uniform] if weight_temp < 0 else [torch.softmax(x / weight_temp, dim=0) for x in (ag, -ag)]
@@ -249,13 +237,11 @@ def crd_kl(v, v_teacher, a, kl_beta: float, reward_adaptive: bool) -> tuple[torc
     """(kl_beta * weighted mean of per-sample KL, per-sample KL (B,)), KL = mean((v - v_teacher)^2); the weight is
     c_min + a (1 - c_min) with c_min = 1e-4 / kl_beta when reward-adaptive, else 1 (port: step 7)."""
     kl = ((v - v_teacher.detach()) ** 2).mean(dim=tuple(range(1, v.dim())))  # (B,)
-    weight = KL_FLOOR / kl_beta + a * (1 - KL_FLOOR / kl_beta) if reward_adaptive and kl_beta > 0 else 1.0
+    weight = 1e-4 / kl_beta + a * (1 - 1e-4 / kl_beta) if reward_adaptive and kl_beta > 0 else 1.0  # port's c_min
     return kl_beta * (weight * kl).mean(), kl.detach()
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Boilerplate shared verbatim by the SD3.5 scripts: input checks, prompts, model, rollout, decode, eval, checkpoint
-# ---------------------------------------------------------------------------------------------------------------
+# ---- Boilerplate shared verbatim by the SD3.5 scripts: input checks, prompts, model, rollout, decode, eval, checkpoint
 def fail(msg: str):
     raise SystemExit(f"error: {msg}")
 
@@ -476,7 +462,6 @@ def check_finite(where: str, run_dir: str, **values):
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-
     # ---- input checks and batch arithmetic: fail with one clear line before any model loads ----
     train_prompts, train_meta = ([], []) if args.eval_only else load_prompts(args.train_prompts)
     test_prompts, test_meta = load_prompts(args.test_prompts)
@@ -509,10 +494,9 @@ if __name__ == "__main__":
     run_name = [f"{args.exp_name}__{args.seed}__{int(time.time())}"]
     if world > 1:
         dist.broadcast_object_list(run_name, src=0)
-    run_dir = os.path.join(args.output_dir, run_name[0])
-    parent = os.path.dirname(os.path.abspath(args.resume or "."))
-    if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
-        run_dir = os.path.dirname(parent)  # a resumed run continues its checkpoint's run directory
+    parent = os.path.dirname(os.path.abspath(args.resume or "."))  # a resumed run continues its checkpoint's run dir
+    resumed = args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints"
+    run_dir = os.path.dirname(parent) if resumed else os.path.join(args.output_dir, run_name[0])
     if rank == 0:
         print(f"{world} {'GPU(s)' if device.type == 'cuda' else 'process(es)'} x {num_batches} "
               f"micro-batches x {args.batch_size} = {images_per_epoch} images/epoch "
@@ -523,9 +507,8 @@ if __name__ == "__main__":
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}[args.mixed_precision]
     pipe = StableDiffusion3Pipeline.from_pretrained(args.model, dtype={"default": dtype, "vae": torch.float32}).to(device)
     transformer = pipe.transformer
-    for module in (transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
-        if module is not None:
-            module.requires_grad_(False)
+    for module in filter(None, (transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3)):
+        module.requires_grad_(False)
     torch.manual_seed(args.seed)
     transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian",
                                        target_modules=LORA_TARGETS))
@@ -536,9 +519,8 @@ if __name__ == "__main__":
         transformer.enable_gradient_checkpointing()
     optimizer = torch.optim.AdamW(lora_params, lr=args.learning_rate, weight_decay=args.weight_decay)
     scaler = torch.amp.GradScaler(device.type, enabled=args.mixed_precision == "fp16")
-    ema_params = [p.detach().clone() for p in lora_params]
-    old_params = [p.detach().clone() for p in lora_params]  # implicit-reward reference, `swapped` into the LoRA
-    sampling_params = [p.detach().clone() for p in lora_params]  # fp32 snapshot that generates the rollouts
+    # fp32 copies: EMA, old (implicit-reward reference, `swapped` into the LoRA), sampling (generates the rollouts)
+    ema_params, old_params, sampling_params = ([p.detach().clone() for p in lora_params] for _ in range(3))
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     latent_shape = (transformer.config.in_channels, *[args.resolution // pipe.vae_scale_factor] * 2)
     sigmas = sigma_grid(args.num_steps, pipe.scheduler.config.shift).to(device)  # (T+1,) the port's grid, 1 to 0
@@ -547,17 +529,14 @@ if __name__ == "__main__":
     if rank == 0 and args.num_train_timesteps > len(train_sigmas):
         print(f"note: --num-train-timesteps {args.num_train_timesteps} > {len(train_sigmas)} eligible grid points "
               f"{[round(x, 4) for x in train_sigmas.tolist()]}: each is trained several times per micro-batch")
-    with torch.no_grad():
-        neg = encode(pipe, [""], device, args.max_sequence_length)  # empty prompt: eval CFG and the CFG KL teacher
-    reward_weights = reward_fn.weights  # {component: weight}
-    start_epoch, global_step = 0, 0
+    neg = encode(pipe, [""], device, args.max_sequence_length)  # empty prompt: eval CFG and the CFG KL teacher
+    start_epoch, global_step = (0, 0) if state is None else (state["next_epoch"], state["global_step"])
     if state is not None:
         for params, saved in ((lora_params, state["lora"]), (ema_params, state["ema"]),
                               (old_params, state["extra"]["old"]), (sampling_params, state["extra"]["sampling"])):
             for p, value in zip(params, saved):
                 p.data.copy_(value)
         optimizer.load_state_dict(state["optimizer"])
-        start_epoch, global_step = state["next_epoch"], state["global_step"]
     if rank == 0:  # created only now: a run that fails earlier leaves no directory behind
         prepare_run_dir(run_dir, start_epoch)
     if args.track and rank == 0:
@@ -595,47 +574,40 @@ if __name__ == "__main__":
     for epoch in range(start_epoch, 0 if args.eval_only else args.epochs):
         epoch_start = time.time()
         metrics = run_eval(epoch) if epoch % args.eval_every == 0 else {}
-
         # ---- SAMPLING: Euler ODE at CFG guidance_scale with the sampling snapshot; keep only x0 ----
         prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
-        if len(train_prompts) >= args.prompts_per_epoch:
-            chosen = torch.randperm(len(train_prompts), generator=prompt_gen)[: args.prompts_per_epoch]
-        else:
-            chosen = torch.randint(len(train_prompts), (args.prompts_per_epoch,), generator=prompt_gen)
+        chosen = (torch.randperm(len(train_prompts), generator=prompt_gen)[: args.prompts_per_epoch]
+                  if len(train_prompts) >= args.prompts_per_epoch
+                  else torch.randint(len(train_prompts), (args.prompts_per_epoch,), generator=prompt_gen))
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
         transformer.eval()
         batches, futures = [], []
-        with swapped(lora_params, sampling_params):
+        with swapped(lora_params, sampling_params), torch.no_grad():
             for b in tqdm(range(num_batches), desc=f"epoch {epoch} sampling", disable=quiet, leave=False):
                 idx = [int(chosen[g]) for g in my_groups[b]]
                 prompts, meta = [train_prompts[i] for i in idx], [train_meta[i] for i in idx]
-                with torch.no_grad():
-                    embeds, pooled = encode(pipe, prompts, device, args.max_sequence_length)
+                embeds, pooled = encode(pipe, prompts, device, args.max_sequence_length)
                 noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen, device=device)
                 x0 = rollout(transformer, noise, sigmas, "ode", 0.0, embeds, pooled, *neg, args.guidance_scale,
                              autocast, None)[0][:, -1]  # (B, C, h, w)
                 futures.append(executor.submit(reward_fn, decode(pipe.vae, x0).cpu(), prompts, meta))
                 batches.append((embeds, pooled, x0))
         sampling_seconds = time.time() - epoch_start
-
         # ---- REWARD: wait for the scorer, gather every rank's rewards in rank order ----
         results = [f.result() for f in futures]
-        local_rewards = torch.cat([r[0] for r in results]).float()  # (local_images,)
-        components = {k: torch.cat([r[1][k] for r in results]) for k in reward_weights}  # each (local_images,)
-        all_rewards = all_gather_cat(local_rewards.to(device), world).cpu()  # (P*G,) aligned with group_ids
-        all_components = {k: all_gather_cat(v.to(device), world).cpu() for k, v in components.items()}
-        extras = rank_mean({f"reward/{k}": torch.cat([r[1][k] for r in results]).mean().item()  # e.g. pickscore_raw
-                            for k in results[0][1] if k not in reward_weights}, world, device)
+        info = {k: torch.cat([r[1][k] for r in results]) for k in results[0][1]}  # each (local_images,)
+        all_rewards = all_gather_cat(torch.cat([r[0] for r in results]).float().to(device), world).cpu()  # (P*G,)
+        all_components = {k: all_gather_cat(info[k].to(device), world).cpu() for k in reward_fn.weights}
+        extras = rank_mean({f"reward/{k}": v.mean().item() for k, v in info.items()  # e.g. pickscore_raw
+                            if k not in reward_fn.weights}, world, device)
         if reward_fn.group_transform is not None:  # groupwise rewards (pickscore_rank) see whole groups only here
             all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
-
         # ---- ADVANTAGE: per-prompt mean, global (or per-group) std, clipped and mapped to a in [0, 1] ----
-        advantages = compute_advantages(all_rewards, all_components, reward_weights, group_ids,
+        advantages = compute_advantages(all_rewards, all_components, reward_fn.weights, group_ids,
                                         args.advantage_aggregation, args.per_group_std)
         mapped = (advantages.clamp(-args.adv_clip, args.adv_clip) / (2 * args.adv_clip) + 0.5).to(device)
         step_a = mapped.view(world, num_batches, args.batch_size).transpose(0, 1).flatten(1)  # (steps, W*B)
         group_std = torch.stack([all_rewards[group_ids == g].std(unbiased=False) for g in range(args.prompts_per_epoch)])
-
         # ---- TRAINING: re-noise x0 at shared grid timesteps; old, current and CFG-teacher velocities at x_t ----
         transformer.train()
         time_gen = seeded_generator(device, args.seed, epoch, 1)  # same timesteps on every rank (shared centering)
@@ -643,8 +615,7 @@ if __name__ == "__main__":
         stats = {"policy_loss": [], "kl": [], "kl_loss": [], "r_theta": [], "old_deviate": [], "old_kl": []}
         first_r_theta, micro = float("nan"), 0
         mine = torch.arange(rank * args.batch_size, (rank + 1) * args.batch_size, device=device)  # own part of a step
-        for b, (embeds, pooled, x0) in enumerate(tqdm(batches, desc=f"epoch {epoch} training", disable=quiet,
-                                                      leave=False)):
+        for b, (embeds, pooled, x0) in enumerate(tqdm(batches, f"epoch {epoch} training", disable=quiet, leave=False)):
             for t in train_sigmas[train_timestep_indices(len(train_sigmas), args.num_train_timesteps, time_gen)]:
                 noise = torch.randn(x0.shape, generator=train_gen, device=device)
                 xt, target = (1 - t) * x0 + t * noise, noise - x0
@@ -674,14 +645,11 @@ if __name__ == "__main__":
                 if micro % accum:
                     continue
                 # one optimizer step: average LoRA grads over ranks in one flat all-reduce, clip, step, EMA
-                flat = torch.cat([p.grad.flatten() for p in lora_params])
                 if world > 1:
+                    flat = torch.cat([p.grad.flatten() for p in lora_params])
                     dist.all_reduce(flat)
-                    flat /= world
-                offset = 0
-                for p in lora_params:
-                    p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-                    offset += p.numel()
+                    for p, g in zip(lora_params, (flat / world).split([p.numel() for p in lora_params])):
+                        p.grad.copy_(g.view_as(p))
                 scaler.unscale_(optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, args.max_grad_norm)
                 if not scaler.is_enabled():  # (fp16's scaler skips non-finite steps itself)
@@ -694,25 +662,21 @@ if __name__ == "__main__":
                     blend_snapshot(ema_params, lora_params, min(args.ema_decay, (1 + global_step) / (10 + global_step)))
         if args.ema_decay > 0 and args.ema_every > 0 and (epoch + 1) % args.ema_every == 0:  # Flow-Factory crd.py
             blend_snapshot(ema_params, lora_params, min(args.ema_decay, (1 + epoch) / (10 + epoch)))  # ema_step(epoch)
-
         # ---- SNAPSHOTS: old, then sampling <- decay snapshot + (1 - decay) current, decays from optimizer steps ----
         old_decay, sampling_decay = (snapshot_decay(global_step, s) for s in (args.old_decay, args.sampling_decay))
         blend_snapshot(old_params, lora_params, old_decay)
         blend_snapshot(sampling_params, lora_params, sampling_decay)
-
         # ---- LOGGING, CHECKPOINT ----
         epoch_seconds = time.time() - epoch_start
         metrics.update(rank_mean({f"losses/{k}": float(np.mean(v)) for k, v in stats.items() if v}, world, device))
         metrics.update({
             "losses/first_r_theta_abs": first_r_theta, "losses/grad_norm": float(grad_norm),
-            "charts/old_decay": old_decay, "charts/sampling_decay": sampling_decay,
+            "charts/old_decay": old_decay, "charts/sampling_decay": sampling_decay, "charts/global_step": global_step,
+            "charts/learning_rate": args.learning_rate, "perf/max_mem_gb": peak_memory_gb(device),
             "reward/mean": all_rewards.mean().item(), "reward/std": all_rewards.std(unbiased=False).item(),
             "reward/zero_std_group_frac": (group_std == 0).float().mean().item(),
             **{f"reward/{k}": v.mean().item() for k, v in all_components.items()}, **extras,
-            "charts/global_step": global_step, "charts/learning_rate": args.learning_rate,
-            "perf/images_per_sec": images_per_epoch / sampling_seconds, "perf/epoch_seconds": epoch_seconds,
-            "perf/max_mem_gb": peak_memory_gb(device),
-        })
+            "perf/images_per_sec": images_per_epoch / sampling_seconds, "perf/epoch_seconds": epoch_seconds})
         if epoch + 1 == args.epochs:
             metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
         log(metrics, epoch)
@@ -722,8 +686,8 @@ if __name__ == "__main__":
             print(f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± {metrics['reward/std']:.4f} | policy "
                   f"{metrics['losses/policy_loss']:.3e} kl {metrics.get('losses/kl', 0.0):.3e} | r_theta "
                   f"{metrics['losses/r_theta']:.1e} | decay old {old_decay:.3f} sampling {sampling_decay:.3f} "
-                  f"| {metrics['perf/images_per_sec']:.2f} img/s "
-                  f"| {epoch_seconds:.0f}s" + (f" | eval {metrics['eval/reward_mean']:.4f}" if "eval/reward_mean" in metrics else ""))
+                  f"| {metrics['perf/images_per_sec']:.2f} img/s | {epoch_seconds:.0f}s"
+                  + (f" | eval {metrics['eval/reward_mean']:.4f}" if "eval/reward_mean" in metrics else ""))
         if (epoch + 1) % args.save_every == 0 or epoch + 1 == args.epochs:
             if rank == 0:
                 save_checkpoint(os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}"), transformer,
