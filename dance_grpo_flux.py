@@ -266,17 +266,6 @@ def load_prompts(path: str) -> tuple[list[str], list[dict]]:
     return [row["prompt"] for row in rows], rows
 
 
-def setup_distributed() -> tuple[int, int, torch.device]:
-    """torchrun sets RANK/WORLD_SIZE: nccl on CUDA, gloo on CPU; plain `python` runs one process."""
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if "RANK" not in os.environ:
-        return 0, 1, device
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size(), device
-
-
 def all_gather_cat(t: torch.Tensor, world: int) -> torch.Tensor:
     """Concatenate an equally-shaped tensor from every rank, in rank order."""
     if world == 1:
@@ -289,11 +278,6 @@ def all_gather_cat(t: torch.Tensor, world: int) -> torch.Tensor:
 def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
     """A generator whose seed mixes (seed, epoch, rank, ...): every draw is reproducible on resume, no state to save."""
     return torch.Generator(device).manual_seed(int(np.random.SeedSequence(list(keys)).generate_state(1)[0]))
-
-
-def encode(pipe, prompts: list[str], device, max_sequence_length: int):
-    """T5 hidden states (B, L, 4096), CLIP-L pooled (B, 768) and text ids (L, 3), as FluxPipeline does."""
-    return pipe.encode_prompt(prompts, None, device=device, max_sequence_length=max_sequence_length)
 
 
 def image_ids(height: int, width: int, device) -> torch.Tensor:
@@ -362,7 +346,8 @@ def evaluate(pipe, args, prompts, metadata, reward_fn, eval_sigmas, img_ids, ran
         idx = mine[start : start + args.eval_batch_size]
         noise = torch.stack([torch.randn(shape, generator=seeded_generator(device, args.seed, i), device=device)
                              for i in idx])
-        embeds, pooled, text_ids = encode(pipe, [prompts[i] for i in idx], device, args.max_sequence_length)
+        embeds, pooled, text_ids = pipe.encode_prompt([prompts[i] for i in idx], None, device=device,
+                                                      max_sequence_length=args.max_sequence_length)
         _, _, x0_hat = rollout(pipe.transformer, noise, eval_sigmas, "ode", 0.0, embeds, pooled, text_ids, img_ids,
                                args.guidance_scale, autocast, None)
         images = decode(pipe.vae, unpack(x0_hat, latent_size, latent_size))  # ODE to sigma 0: x0_hat = final sample
@@ -379,11 +364,10 @@ def evaluate(pipe, args, prompts, metadata, reward_fn, eval_sigmas, img_ids, ran
     return means, [img for _, img in sorted(sheet, key=lambda t: t[0])]
 
 
-def save_checkpoint(path: str, transformer, lora_params, ema_params, optimizer, next_epoch, global_step, args,
-                    extra: dict):
+def save_checkpoint(path: str, transformer, lora_params, ema_params, optimizer, next_epoch, global_step, args):
     """Atomic: written under a hidden temp name (which --resume refuses and `epoch_*` never matches), then renamed.
     `lora/` and `ema_lora/` are diffusers LoRAs saved with their peft config, so `load_lora_weights` rebuilds the
-    trained alpha; state.pt resumes (`extra`: the algorithm's own tensors, e.g. snapshot adapters)."""
+    trained alpha; state.pt resumes."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     config = transformer.peft_config["default"].to_dict()
@@ -393,7 +377,7 @@ def save_checkpoint(path: str, transformer, lora_params, ema_params, optimizer, 
                                           transformer_lora_adapter_metadata=config)
     torch.save({"lora": [p.detach().cpu() for p in lora_params], "ema": [p.cpu() for p in ema_params],
                 "optimizer": optimizer.state_dict(), "next_epoch": next_epoch, "global_step": global_step,
-                "args": asdict(args), "extra": extra}, os.path.join(tmp, "state.pt"))
+                "args": asdict(args)}, os.path.join(tmp, "state.pt"))
     shutil.rmtree(path, ignore_errors=True)
     os.rename(tmp, path)
 
@@ -448,23 +432,6 @@ def swapped(params, ema):
         swap()
 
 
-def peak_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
-
-
-def prepare_run_dir(run_dir: str, start_epoch: int):
-    """Create the run dir; a resumed one drops the metrics of the epochs it redoes and a crashed save's temp dirs."""
-    for tmp in glob.glob(os.path.join(run_dir, "checkpoints", ".*")):
-        shutil.rmtree(tmp)
-    path = os.path.join(run_dir, "metrics.jsonl")
-    lines = open(path).readlines() if os.path.exists(path) else []
-    os.makedirs(run_dir, exist_ok=True)
-    with open(path, "w") as f:
-        f.writelines(line for line in lines if json.loads(line)["epoch"] < start_epoch)
-
-
 def rank_mean(values: dict[str, float], world: int, device) -> dict[str, float]:
     """The mean of each value over ranks (logged stats are the whole run's, not rank 0's)."""
     stacked = all_gather_cat(torch.tensor([list(values.values())], dtype=torch.float64, device=device), world)
@@ -499,7 +466,13 @@ if __name__ == "__main__":
     if num_train_steps < 1:
         fail(f"--timestep-fraction {args.timestep_fraction} trains no step of the first --num-steps {args.num_steps} "
              f"- 1 transitions; raise either")
-    rank, world, device = setup_distributed()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":  # cuDNN attention's backward crashes or returns NaN on FLUX (torch 2.11, H100): use flash
+        torch.cuda.set_device(device)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    if "RANK" in os.environ:  # torchrun sets RANK/WORLD_SIZE: nccl on CUDA, gloo on CPU; `python` runs one process
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if "RANK" in os.environ else (0, 1)
     quiet = rank != 0 or not sys.stderr.isatty()  # progress bars only on rank 0's terminal, not in log files
     try:  # rewards are built before the model: a bad file or a server that does not answer fails here
         rewards.check_prompts(args.reward, train_prompts)
@@ -508,8 +481,6 @@ if __name__ == "__main__":
         eval_reward_fn = rewards.build_reward(args.eval_reward, device=device) if args.eval_reward else reward_fn
     except ValueError as e:
         fail(str(e))
-    if device.type == "cuda":  # cuDNN attention's backward crashes or returns NaN on FLUX (torch 2.11, H100): use flash
-        torch.backends.cuda.enable_cudnn_sdp(False)
     if args.full_finetune and len(test_prompts) % world:  # FSDP: every forward runs on all ranks
         fail(f"--full-finetune: {len(test_prompts)} test prompts do not split evenly into {world} GPUs")
     if args.full_finetune and world == 1:  # fp32 weights, grads, AdamW's 2 moments: 16 bytes/parameter (meta device)
@@ -570,19 +541,23 @@ if __name__ == "__main__":
     sigmas = dance_sigmas(args.num_steps, args.shift).to(device)  # (T+1,) from 1 to 0
     eval_sigmas = dance_sigmas(args.eval_num_steps, args.shift).to(device)
     reward_weights = reward_fn.weights  # {component: weight}
-    start_epoch, global_step = 0, 0
+    start_epoch, global_step = (state["next_epoch"], state["global_step"]) if state is not None else (0, 0)
     if state is not None and args.full_finetune:  # each rank reads its shards in place, from any GPU count's checkpoint
         model_sd, optim_sd = get_state_dict(transformer, optimizer)
         dist.checkpoint.load({"model": model_sd, "optimizer": optim_sd, "ema": dict(zip(model_sd, ema_params))},
                              checkpoint_id=os.path.join(args.resume, "dcp"))
-        start_epoch, global_step = state["next_epoch"], state["global_step"]
     elif state is not None:
         for p, saved in zip(lora_params + ema_params, state["lora"] + state["ema"]):
             p.data.copy_(saved)
         optimizer.load_state_dict(state["optimizer"])
-        start_epoch, global_step = state["next_epoch"], state["global_step"]
-    if rank == 0:  # created only now: a run that fails earlier leaves no directory behind
-        prepare_run_dir(run_dir, start_epoch)
+    if rank == 0:  # the run dir is created only now: a run that fails earlier leaves no directory behind
+        for tmp in glob.glob(os.path.join(run_dir, "checkpoints", ".*")):  # a crashed save's temp dirs
+            shutil.rmtree(tmp)
+        metrics_path = os.path.join(run_dir, "metrics.jsonl")  # a resumed run drops the epochs it redoes
+        lines = open(metrics_path).readlines() if os.path.exists(metrics_path) else []
+        os.makedirs(run_dir, exist_ok=True)
+        with open(metrics_path, "w") as f:
+            f.writelines(line for line in lines if json.loads(line)["epoch"] < start_epoch)
     if args.track and rank == 0:
         import wandb
         wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=os.path.basename(run_dir),
@@ -590,7 +565,7 @@ if __name__ == "__main__":
 
     def log(metrics: dict, epoch: int):
         if rank == 0:
-            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+            with open(metrics_path, "a") as f:
                 f.write(json.dumps({"epoch": epoch, **metrics}) + "\n")
             if args.track:
                 wandb.log(metrics, step=epoch)
@@ -616,20 +591,20 @@ if __name__ == "__main__":
 
         # ---- SAMPLING: identical prompt draw on every rank; each group's images spread over ranks ----
         prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
-        if len(train_prompts) >= args.prompts_per_epoch:
-            chosen = torch.randperm(len(train_prompts), generator=prompt_gen)[: args.prompts_per_epoch]
-        else:
-            chosen = torch.randint(len(train_prompts), (args.prompts_per_epoch,), generator=prompt_gen)
+        chosen = (torch.randperm(len(train_prompts), generator=prompt_gen)[: args.prompts_per_epoch]
+                  if len(train_prompts) >= args.prompts_per_epoch  # without replacement while there are enough
+                  else torch.randint(len(train_prompts), (args.prompts_per_epoch,), generator=prompt_gen))
         order = torch.randperm(images_per_epoch, generator=prompt_gen)
         group_ids = torch.arange(args.prompts_per_epoch).repeat_interleave(args.group_size)[order]  # (P*G,) all ranks
         my_groups = group_ids[rank * local_images : (rank + 1) * local_images].view(num_batches, args.batch_size)
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
         transformer.eval()
-        # text conditioning once per prompt this rank samples: (U, L, 4096), (U, 768), (L, 3); U = groups here
-        groups_here = my_groups.unique()  # sorted
+        # text conditioning once per prompt this rank samples: T5 (U, L, 4096), CLIP-L pooled (U, 768), ids (L, 3)
+        groups_here = my_groups.unique()  # sorted; U = groups here
         with torch.no_grad():
-            all_embeds, all_pooled, text_ids = encode(pipe, [train_prompts[int(chosen[g])] for g in groups_here],
-                                                      device, args.max_sequence_length)
+            all_embeds, all_pooled, text_ids = pipe.encode_prompt(
+                [train_prompts[int(chosen[g])] for g in groups_here], None, device=device,
+                max_sequence_length=args.max_sequence_length)
         batches, futures = [], []
         for b in tqdm(range(num_batches), desc=f"epoch {epoch} sampling", disable=quiet, leave=False):
             pos = torch.searchsorted(groups_here, my_groups[b]).to(device)  # (B,) rows of all_embeds
@@ -664,7 +639,7 @@ if __name__ == "__main__":
         advantages = group_advantages(all_rewards, group_ids)
         check_finite(f"epoch {epoch}", run_dir, reward=all_rewards, advantage=advantages)
         my_adv = advantages[rank * local_images : (rank + 1) * local_images].to(device).view(num_batches, -1)
-        group_std = torch.stack([all_rewards[group_ids == g].std(unbiased=False) for g in range(args.prompts_per_epoch)])
+        group_std = torch.stack([all_rewards[group_ids == g].std(unbiased=False) for g in group_ids.unique()])
 
         # ---- TRAINING: per micro-batch, K random steps per sample (mixed in one forward), clipped ratio ----
         transformer.train()
@@ -717,6 +692,8 @@ if __name__ == "__main__":
 
         # ---- LOGGING, CHECKPOINT ----
         epoch_seconds = time.time() - epoch_start
+        max_mem_gb = (torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda"
+                      else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6)  # Linux reports KiB
         metrics.update(rank_mean({f"losses/{k}": float(np.mean(v)) for k, v in stats.items()}, world, device))
         metrics.update({
             "losses/on_policy_ratio_dev": on_policy_dev, "losses/grad_norm": float(grad_norm),
@@ -725,25 +702,24 @@ if __name__ == "__main__":
             **{f"reward/{k}": v.mean().item() for k, v in all_components.items()}, **extras,
             "charts/global_step": global_step, "charts/learning_rate": args.learning_rate,
             "perf/images_per_sec": images_per_epoch / sampling_seconds, "perf/epoch_seconds": epoch_seconds,
-            "perf/max_mem_gb": peak_memory_gb(device),
-        })
+            "perf/max_mem_gb": max_mem_gb})
         if epoch + 1 == args.epochs:
             metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
         log(metrics, epoch)
-        if rank == 0 and (group_std == 0).all():  # warnings.warn shows this once per run
-            warnings.warn("an epoch where every group's rewards are all equal: zero advantages, nothing to learn")
         if rank == 0:
+            if (group_std == 0).all():  # warnings.warn shows this once per run
+                warnings.warn("an epoch where every group's rewards are all equal: zero advantages, nothing to learn")
+            eval_note = f" | eval {metrics['eval/reward_mean']:.4f}" if "eval/reward_mean" in metrics else ""
             print(f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± {metrics['reward/std']:.4f} | policy "
-                  f"{metrics['losses/policy_loss']:.3e} | ratio dev {on_policy_dev:.1e} "
-                  f"| clipfrac {metrics['losses/clipfrac']:.3f} | {metrics['perf/images_per_sec']:.2f} img/s "
-                  f"| {epoch_seconds:.0f}s" + (f" | eval {metrics['eval/reward_mean']:.4f}" if "eval/reward_mean" in metrics else ""))
+                  f"{metrics['losses/policy_loss']:.3e} | ratio dev {on_policy_dev:.1e} | clipfrac "
+                  f"{metrics['losses/clipfrac']:.3f} | {metrics['perf/images_per_sec']:.2f} img/s | "
+                  f"{epoch_seconds:.0f}s{eval_note}")
         if (epoch + 1) % args.save_every == 0 or epoch + 1 == args.epochs:
+            path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
             if args.full_finetune:
-                save_full_checkpoint(os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}"), transformer,
-                                     optimizer, ema_params, epoch + 1, global_step, args, rank)
+                save_full_checkpoint(path, transformer, optimizer, ema_params, epoch + 1, global_step, args, rank)
             elif rank == 0:
-                save_checkpoint(os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}"), transformer,
-                                lora_params, ema_params, optimizer, epoch + 1, global_step, args, extra={})
+                save_checkpoint(path, transformer, lora_params, ema_params, optimizer, epoch + 1, global_step, args)
             if world > 1:
                 dist.barrier()
     executor.shutdown()
