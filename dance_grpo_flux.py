@@ -364,24 +364,6 @@ def evaluate(pipe, args, prompts, metadata, reward_fn, eval_sigmas, img_ids, ran
     return means, [img for _, img in sorted(sheet, key=lambda t: t[0])]
 
 
-def save_checkpoint(path: str, transformer, lora_params, ema_params, optimizer, next_epoch, global_step, args):
-    """Atomic: written under a hidden temp name (which --resume refuses and `epoch_*` never matches), then renamed.
-    `lora/` and `ema_lora/` are diffusers LoRAs saved with their peft config, so `load_lora_weights` rebuilds the
-    trained alpha; state.pt resumes."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    config = transformer.peft_config["default"].to_dict()
-    for name, weights in (("lora", []), ("ema_lora", ema_params)):  # [] swaps nothing in
-        with swapped(lora_params, weights):
-            FluxPipeline.save_lora_weights(os.path.join(tmp, name), get_peft_model_state_dict(transformer),
-                                          transformer_lora_adapter_metadata=config)
-    torch.save({"lora": [p.detach().cpu() for p in lora_params], "ema": [p.cpu() for p in ema_params],
-                "optimizer": optimizer.state_dict(), "next_epoch": next_epoch, "global_step": global_step,
-                "args": asdict(args)}, os.path.join(tmp, "state.pt"))
-    shutil.rmtree(path, ignore_errors=True)
-    os.rename(tmp, path)
-
-
 def shard_for_full_finetune(transformer):
     """fp32, trainable, FSDP2-sharded per FLUX block then the root (upstream fsdp_util.py: FSDP1, fp32 params)."""
     transformer.float().requires_grad_(True)
@@ -392,25 +374,40 @@ def shard_for_full_finetune(transformer):
     fully_shard(transformer)
 
 
-def save_full_checkpoint(path: str, transformer, optimizer, ema_params, next_epoch, global_step, args, rank: int):
-    """All ranks, atomic: `dcp/` shards, state.pt, after the last epoch diffusers `transformer/` (`ema_transformer/`)"""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")  # hidden until complete
-    model, optim = get_state_dict(transformer, optimizer)  # sharded, keyed by name
-    dist.checkpoint.save({"model": model, "optimizer": optim, "ema": dict(zip(model, ema_params))},
-                         checkpoint_id=f"{tmp}/dcp")
-    exports = [("transformer", []), ("ema_transformer", ema_params)] if next_epoch == args.epochs else []
-    for name, ema in exports[: 1 + bool(args.ema_decay)]:  # all weights, gathered on rank 0's CPU
-        with swapped(list(transformer.parameters()) if ema else [], ema):
-            full = get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:  # sharded safetensors + config, as FluxTransformer2DModel.save_pretrained writes them
-            out = f"{tmp}/{name}"
-            os.makedirs(out)
-            save_torch_state_dict(full, out, filename_pattern="diffusion_pytorch_model{suffix}.safetensors")
-            with open(f"{out}/config.json", "w") as f:
-                json.dump({**transformer.config, "_class_name": "FluxTransformer2DModel"}, f, indent=2)
+def save_checkpoint(path: str, transformer, params, ema_params, optimizer, next_epoch, global_step, args, rank: int):
+    """All ranks; atomic: written under a hidden temp name (which --resume refuses and `epoch_*` never matches), then
+    renamed; state.pt resumes. LoRA: `lora/` and `ema_lora/` are diffusers LoRAs saved with their peft config, so
+    `load_lora_weights` rebuilds the trained alpha. --full-finetune: `dcp/` shards, after the last epoch diffusers
+    `transformer/` (and `ema_transformer/`)."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
+    state = {"next_epoch": next_epoch, "global_step": global_step, "args": asdict(args)}
+    if args.full_finetune:
+        model, optim = get_state_dict(transformer, optimizer)  # sharded, keyed by name
+        dist.checkpoint.save({"model": model, "optimizer": optim, "ema": dict(zip(model, ema_params))},
+                             checkpoint_id=f"{tmp}/dcp")
+        exports = [("transformer", []), ("ema_transformer", ema_params)] if next_epoch == args.epochs else []
+        for name, ema in exports[: 1 + bool(args.ema_decay)]:  # all weights, gathered on rank 0's CPU
+            with swapped(params, ema):  # [] swaps nothing in
+                full = get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True,
+                                                                                  cpu_offload=True))
+            if rank == 0:  # sharded safetensors + config, as FluxTransformer2DModel.save_pretrained writes them
+                out = f"{tmp}/{name}"
+                os.makedirs(out)
+                save_torch_state_dict(full, out, filename_pattern="diffusion_pytorch_model{suffix}.safetensors")
+                with open(f"{out}/config.json", "w") as f:
+                    json.dump({**transformer.config, "_class_name": "FluxTransformer2DModel"}, f, indent=2)
+        state["kind"] = "full_finetune"
+    elif rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        config = transformer.peft_config["default"].to_dict()
+        for name, ema in (("lora", []), ("ema_lora", ema_params)):
+            with swapped(params, ema):
+                FluxPipeline.save_lora_weights(os.path.join(tmp, name), get_peft_model_state_dict(transformer),
+                                              transformer_lora_adapter_metadata=config)
+        state.update(lora=[p.detach().cpu() for p in params], ema=[p.cpu() for p in ema_params],
+                     optimizer=optimizer.state_dict())
     if rank == 0:
-        torch.save({"kind": "full_finetune", "next_epoch": next_epoch, "global_step": global_step,
-                    "args": asdict(args)}, os.path.join(tmp, "state.pt"))
+        torch.save(state, os.path.join(tmp, "state.pt"))
         if os.path.exists(path):
             os.rename(path, path + ".old")
         os.rename(tmp, path)
@@ -540,7 +537,6 @@ if __name__ == "__main__":
     img_ids = image_ids(latent_size // 2, latent_size // 2, device)
     sigmas = dance_sigmas(args.num_steps, args.shift).to(device)  # (T+1,) from 1 to 0
     eval_sigmas = dance_sigmas(args.eval_num_steps, args.shift).to(device)
-    reward_weights = reward_fn.weights  # {component: weight}
     start_epoch, global_step = (state["next_epoch"], state["global_step"]) if state is not None else (0, 0)
     if state is not None and args.full_finetune:  # each rank reads its shards in place, from any GPU count's checkpoint
         model_sd, optim_sd = get_state_dict(transformer, optimizer)
@@ -558,10 +554,10 @@ if __name__ == "__main__":
         os.makedirs(run_dir, exist_ok=True)
         with open(metrics_path, "w") as f:
             f.writelines(line for line in lines if json.loads(line)["epoch"] < start_epoch)
-    if args.track and rank == 0:
-        import wandb
-        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=os.path.basename(run_dir),
-                   config=vars(args), save_code=True)
+        if args.track:
+            import wandb
+            wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=os.path.basename(run_dir),
+                       config=vars(args), save_code=True)
 
     def log(metrics: dict, epoch: int):
         if rank == 0:
@@ -609,7 +605,6 @@ if __name__ == "__main__":
         for b in tqdm(range(num_batches), desc=f"epoch {epoch} sampling", disable=quiet, leave=False):
             pos = torch.searchsorted(groups_here, my_groups[b]).to(device)  # (B,) rows of all_embeds
             idx = [int(chosen[g]) for g in my_groups[b]]
-            prompts, meta = [train_prompts[i] for i in idx], [train_meta[i] for i in idx]
             if args.init_same_noise:  # the group's shared initial latent, the same on whichever rank draws it
                 noise = torch.stack([torch.randn(latent_shape, device=device, generator=seeded_generator(
                     device, args.seed, epoch, int(g), GROUP_NOISE_STREAM)) for g in my_groups[b]])
@@ -620,18 +615,18 @@ if __name__ == "__main__":
                                                         (all_embeds[pos], all_pooled[pos], text_ids, img_ids),
                                                         args.guidance_scale, autocast, noise_gen)  # (B, K+1, L, 4C)
             images = decode(pipe.vae, unpack(x0_hat, latent_size, latent_size))  # the last step's x0_hat, as upstream
-            futures.append(executor.submit(reward_fn, images.cpu(), prompts, meta))
+            futures.append(executor.submit(reward_fn, images.cpu(), [train_prompts[i] for i in idx],
+                                           [train_meta[i] for i in idx]))
             batches.append({"pos": pos, "latents": latents, "log_probs": log_probs, "sigmas": sigmas[window[0] :]})
         sampling_seconds = time.time() - epoch_start
 
         # ---- REWARD: wait for the scorer, gather every rank's rewards in rank order ----
         results = [f.result() for f in futures]
-        local_rewards = torch.cat([r[0] for r in results]).float()  # (local_images,)
-        components = {k: torch.cat([r[1][k] for r in results]) for k in reward_weights}  # each (local_images,)
-        all_rewards = all_gather_cat(local_rewards.to(device), world).cpu()  # (P*G,) aligned with group_ids
-        all_components = {k: all_gather_cat(v.to(device), world).cpu() for k, v in components.items()}
-        extras = rank_mean({f"reward/{k}": torch.cat([r[1][k] for r in results]).mean().item()  # e.g. pickscore_raw
-                            for k in results[0][1] if k not in reward_weights}, world, device)
+        info = {k: torch.cat([r[1][k] for r in results]) for k in results[0][1]}  # each (local_images,)
+        all_rewards = all_gather_cat(torch.cat([r[0] for r in results]).float().to(device), world).cpu()  # (P*G,)
+        all_components = {k: all_gather_cat(info[k].to(device), world).cpu() for k in reward_fn.weights}  # same order
+        extras = rank_mean({f"reward/{k}": v.mean().item() for k, v in info.items() if k not in reward_fn.weights},
+                           world, device)  # info beyond the weighted components, e.g. pickscore_raw
         if reward_fn.group_transform is not None:  # groupwise rewards (pickscore_rank) see whole groups only here
             all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
 
@@ -715,11 +710,8 @@ if __name__ == "__main__":
                   f"{metrics['losses/clipfrac']:.3f} | {metrics['perf/images_per_sec']:.2f} img/s | "
                   f"{epoch_seconds:.0f}s{eval_note}")
         if (epoch + 1) % args.save_every == 0 or epoch + 1 == args.epochs:
-            path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
-            if args.full_finetune:
-                save_full_checkpoint(path, transformer, optimizer, ema_params, epoch + 1, global_step, args, rank)
-            elif rank == 0:
-                save_checkpoint(path, transformer, lora_params, ema_params, optimizer, epoch + 1, global_step, args)
+            save_checkpoint(os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}"), transformer, lora_params,
+                            ema_params, optimizer, epoch + 1, global_step, args, rank)
             if world > 1:
                 dist.barrier()
     executor.shutdown()
