@@ -44,7 +44,6 @@ from sde import sde_step, shift_sigmas
 
 @dataclass
 class Args:
-    # ---- experiment ----
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (wandb group and run-directory prefix)"""
     seed: int = 42
@@ -61,7 +60,6 @@ class Args:
     """checkpoint directory to continue from (continues at the epoch after it)"""
     eval_only: bool = False
     """only evaluate (the EMA weights of --resume, or the base model) on the test prompts, then exit"""
-    # ---- model ----
     model: str = "black-forest-labs/FLUX.1-dev"
     """hub id or local path of a diffusers FluxPipeline"""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
@@ -76,7 +74,6 @@ class Args:
     """LoRA alpha (scale = alpha / rank)"""
     max_sequence_length: int = 512
     """T5 tokens per prompt (FLUX.1-dev: 512)"""
-    # ---- data and reward ----
     train_prompts: str = "prompts/train.txt"
     """training prompts: one per line, or JSONL with a `prompt` field (other fields are passed to the reward)"""
     test_prompts: str = "prompts/test.txt"
@@ -85,7 +82,6 @@ class Args:
     """a rewards.py name, a weighted list `hpsv2=1.0,clipscore=1.0`, or `path/to/file.py:function`"""
     eval_reward: str | None = None
     """reward for eval; None = the training reward"""
-    # ---- sampling ----
     resolution: int = 720
     """image height and width in pixels"""
     num_steps: int = 12
@@ -104,7 +100,6 @@ class Args:
     """K > 0: per micro-batch, the dance SDE on K consecutive steps only (ODE elsewhere), trained on just those"""
     sde_window_range: tuple[int, int] | None = None
     """A B: the window lies in steps [A, B), its start drawn uniformly from A..B-K; None = (0, num_steps // 2)"""
-    # ---- batch sizes (global ones do not depend on the GPU count) ----
     group_size: int = 12
     """images per prompt (the GRPO group)"""
     prompts_per_epoch: int = 16
@@ -117,7 +112,6 @@ class Args:
     """optimizer steps per epoch (the first is exactly on-policy; upstream 8 GPUs x 24 samples / GA 12 = 2)"""
     epochs: int = 300
     """epochs to train (each = sample, score, update)"""
-    # ---- optimisation ----
     learning_rate: float = 3e-4
     """AdamW learning rate (constant)"""
     weight_decay: float = 1e-4
@@ -126,7 +120,6 @@ class Args:
     """gradient-norm clip"""
     ema_decay: float = 0.0
     """EMA decay of the LoRA weights used for eval and the saved `ema` LoRA (0 disables, as the upstream LoRA script)"""
-    # ---- algorithm ----
     clip_range: float = 1e-4
     """PPO clip on the ratio of mean-over-elements log-probs (sde.py), hence tiny"""
     timestep_fraction: float = 0.6
@@ -135,7 +128,6 @@ class Args:
     """advantages are clipped to +-adv_clip"""
     on_policy_tol: float = 1e-3
     """warn when the epoch's first micro-step (exactly on-policy) has max |ratio - 1| above this"""
-    # ---- logging, eval, checkpoints ----
     eval_every: int = 50
     """evaluate every N epochs (and after the last)"""
     eval_sheet_size: int = 16
@@ -145,13 +137,10 @@ class Args:
 
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # upstream LoRA targets (double- and single-stream blocks)
-STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses a checkpoint saved with other values
 STEP_STREAM, GROUP_NOISE_STREAM = 1, 2  # extra seed keys keeping the timestep-subset and group-noise RNGs apart
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Algorithm: per-group advantages, timestep subsets and the clipped GRPO loss
-# ---------------------------------------------------------------------------------------------------------------
+# ---- Algorithm: per-group advantages, timestep subsets, the clipped GRPO loss, the SDE window ----
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """(reward - its group's mean) / (its group's std + eps), std UNBIASED as upstream's torch `.std()`
     (train_grpo_flux.py::train_one_step, --use_group). rewards, group_ids: (N,); every group needs >= 2 members.
@@ -165,8 +154,7 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float 
 def select_train_steps(batch: int, num_steps: int, fraction: float, generator: torch.Generator) -> torch.Tensor:
     """(batch, K) step indices: per sample an independent random K = int((num_steps - 1) * fraction) of the first
     num_steps - 1 transitions (the last, sharpest one is never trained, as upstream's hard-coded `[:, :-1]`)."""
-    candidates = num_steps - 1
-    return torch.rand(batch, candidates, generator=generator).argsort(dim=1)[:, : int(candidates * fraction)]
+    return torch.rand(batch, num_steps - 1, generator=generator).argsort(dim=1)[:, : int((num_steps - 1) * fraction)]
 
 
 def grpo_loss(log_prob, old_log_prob, advantages, clip_range: float, adv_clip: float):
@@ -187,17 +175,15 @@ def draw_sde_window(size: int, window_range: tuple[int, int], num_steps: int, ge
 
 
 def window_rollout(transformer, noise, sigmas, window, noise_level, cond, guidance_scale, autocast, generator):
-    """The dance SDE on steps window[0] <= i < window[1], ODE elsewhere (MixGRPO's / DiffSynth-Studio's noise window):
-    `rollout` on three sub-grids; cond = (embeds, pooled, text_ids, img_ids). Returns the window's latents
-    (B, K+1, L, 4C), log-probs (B, K) and the last step's x0_hat."""
+    """The dance SDE on steps window[0] <= i < window[1], ODE elsewhere (MixGRPO's / DiffSynth-Studio's noise window);
+    cond = (embeds, pooled, text_ids, img_ids). -> the window's latents (B, K+1, L, 4C), log-probs (B, K), x0_hat."""
+    def run(x, grid, kind, eta, gen):
+        return rollout(transformer, x, grid, kind, eta, *cond, guidance_scale, autocast, gen)
     start, end = window
-    x = noise if start == 0 else rollout(transformer, noise, sigmas[: start + 1], "ode", 0.0, *cond, guidance_scale,
-                                         autocast, None)[0][:, -1]
-    latents, log_probs, x0_hat = rollout(transformer, x, sigmas[start : end + 1], "dance", noise_level, *cond,
-                                         guidance_scale, autocast, generator)
+    x = noise if start == 0 else run(noise, sigmas[: start + 1], "ode", 0.0, None)[0][:, -1]
+    latents, log_probs, x0_hat = run(x, sigmas[start : end + 1], "dance", noise_level, generator)
     if end < len(sigmas) - 1:
-        x0_hat = rollout(transformer, latents[:, -1], sigmas[end:], "ode", 0.0, *cond, guidance_scale, autocast,
-                         None)[2]
+        x0_hat = run(latents[:, -1], sigmas[end:], "ode", 0.0, None)[2]
     return latents, log_probs, x0_hat
 
 
@@ -206,9 +192,7 @@ def dance_sigmas(num_steps: int, shift: float) -> torch.Tensor:
     return shift_sigmas(torch.linspace(1, 0, num_steps + 1), shift)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Boilerplate (same as grpo_sd35.py where the function is the same): checks, prompts, FLUX model, rollout, eval
-# ---------------------------------------------------------------------------------------------------------------
+# ---- Boilerplate (as grpo_sd35.py where the function is the same): checks, prompts, FLUX model, rollout, eval ----
 def fail(msg: str):
     raise SystemExit(f"error: {msg}")
 
@@ -222,9 +206,8 @@ def check_args(args) -> dict | None:
         fail(f"--{bad[0].replace('_', '-')} must be {'>= 0' if bad[0] == 'learning_rate' else '>= 1'}, got "
              f"{getattr(args, bad[0])}")
     try:  # the small config files give the resolution's factor before the weights load
-        files = ("vae/config.json", "transformer/config.json")
-        vae, dit = (json.load(open(os.path.join(args.model, f) if os.path.exists(args.model) else
-                                   hf_hub_download(args.model, f))) for f in files)
+        vae, dit = (json.load(open(os.path.join(args.model, f"{d}/config.json") if os.path.exists(args.model) else
+                                   hf_hub_download(args.model, f"{d}/config.json"))) for d in ("vae", "transformer"))
     except Exception as e:
         fail(f"model {args.model!r} is neither an existing local path nor a hub id like 'org/name' with vae/ and "
              f"transformer/ config.json ({type(e).__name__})")
@@ -241,10 +224,9 @@ def check_args(args) -> dict | None:
     if os.path.basename(os.path.abspath(args.resume)).startswith(".") or not os.path.isfile(path):
         fail(f"--resume {args.resume!r} is not a checkpoint directory (no state.pt; hidden ones are unfinished saves)")
     state = torch.load(path, map_location="cpu")
-    for flag in STATE_FLAGS:
-        if state["args"][flag] != getattr(args, flag):
-            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)!r} differs from the checkpoint's "
-                 f"{state['args'][flag]!r}; a resumed run must keep it")
+    for flag in ("model", "lora_rank", "lora_alpha"):  # --resume refuses a checkpoint saved with other values
+        if (saved := state["args"][flag]) != getattr(args, flag):
+            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)!r} differs from the checkpoint's {saved!r}")
     if not args.eval_only and state["next_epoch"] >= args.epochs:
         fail(f"--epochs {args.epochs} is not past the checkpoint's {state['next_epoch']} epochs: nothing to train")
     return state
@@ -254,8 +236,7 @@ def load_prompts(path: str) -> tuple[list[str], list[dict]]:
     """One prompt per line, or JSONL (`.jsonl`) with a `prompt` field; returns prompts and per-prompt metadata."""
     if not os.path.isfile(path):
         fail(f"prompt file {path!r} does not exist")
-    with open(path, encoding="utf-8") as f:
-        lines = [line.strip() for line in f if line.strip()]
+    lines = [line.strip() for line in open(path, encoding="utf-8") if line.strip()]
     if not lines:
         fail(f"prompt file {path!r} is empty")
     if not path.endswith(".jsonl"):
@@ -337,20 +318,18 @@ def contact_sheet(images: list[np.ndarray], path: str):
 
 @torch.no_grad()
 def evaluate(pipe, args, prompts, metadata, reward_fn, eval_sigmas, img_ids, rank, world, device, autocast, shape):
-    """ODE sampling of the test prompts (prompt i on rank i % world, noise seeded by i). Returns the means of the reward
-    ("reward_mean") and of every value in its info (e.g. pickscore_raw), and the sheet."""
-    mine = list(range(rank, len(prompts), world))
+    """ODE-sample the test prompts (prompt i on rank i % world, noise seed i) -> (means of reward and info, sheet)."""
     scores, sheet = [], []
     latent_size = args.resolution // pipe.vae_scale_factor
-    for start in range(0, len(mine), args.eval_batch_size):
-        idx = mine[start : start + args.eval_batch_size]
+    for start in range(rank, len(prompts), world * args.eval_batch_size):
+        idx = range(start, len(prompts), world)[: args.eval_batch_size]  # this rank's next prompts
         noise = torch.stack([torch.randn(shape, generator=seeded_generator(device, args.seed, i), device=device)
                              for i in idx])
         embeds, pooled, text_ids = pipe.encode_prompt([prompts[i] for i in idx], None, device=device,
                                                       max_sequence_length=args.max_sequence_length)
-        _, _, x0_hat = rollout(pipe.transformer, noise, eval_sigmas, "ode", 0.0, embeds, pooled, text_ids, img_ids,
-                               args.guidance_scale, autocast, None)
-        images = decode(pipe.vae, unpack(x0_hat, latent_size, latent_size))  # ODE to sigma 0: x0_hat = final sample
+        x0_hat = rollout(pipe.transformer, noise, eval_sigmas, "ode", 0.0, embeds, pooled, text_ids, img_ids,
+                         args.guidance_scale, autocast, None)[2]  # ODE to sigma 0: x0_hat = the final sample
+        images = decode(pipe.vae, unpack(x0_hat, latent_size, latent_size))
         batch_scores, info = reward_fn(images.cpu(), [prompts[i] for i in idx], [metadata[i] for i in idx])
         scores += [{"reward_mean": float(s), **{k: float(v[j]) for k, v in info.items()}}
                    for j, s in enumerate(batch_scores.tolist())]
@@ -375,10 +354,9 @@ def shard_for_full_finetune(transformer):
 
 
 def save_checkpoint(path: str, transformer, params, ema_params, optimizer, next_epoch, global_step, args, rank: int):
-    """All ranks; atomic: written under a hidden temp name (which --resume refuses and `epoch_*` never matches), then
-    renamed; state.pt resumes. LoRA: `lora/` and `ema_lora/` are diffusers LoRAs saved with their peft config, so
-    `load_lora_weights` rebuilds the trained alpha. --full-finetune: `dcp/` shards, after the last epoch diffusers
-    `transformer/` (and `ema_transformer/`)."""
+    """All ranks. Atomic: written to a hidden temp dir (--resume refuses it, `epoch_*` never matches it), then renamed.
+    state.pt resumes. LoRA: `lora/`, `ema_lora/` are diffusers LoRAs with their peft config (trained alpha).
+    --full-finetune: `dcp/` shards, after the last epoch diffusers `transformer/` (and `ema_transformer/`)."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     state = {"next_epoch": next_epoch, "global_step": global_step, "args": asdict(args)}
     if args.full_finetune:
@@ -595,9 +573,8 @@ if __name__ == "__main__":
         my_groups = group_ids[rank * local_images : (rank + 1) * local_images].view(num_batches, args.batch_size)
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
         transformer.eval()
-        # text conditioning once per prompt this rank samples: T5 (U, L, 4096), CLIP-L pooled (U, 768), ids (L, 3)
-        groups_here = my_groups.unique()  # sorted; U = groups here
-        with torch.no_grad():
+        groups_here = my_groups.unique()  # sorted; text conditioning once per prompt this rank samples (U of them)
+        with torch.no_grad():  # T5 (U, L, 4096), CLIP-L pooled (U, 768), text ids (L, 3)
             all_embeds, all_pooled, text_ids = pipe.encode_prompt(
                 [train_prompts[int(chosen[g])] for g in groups_here], None, device=device,
                 max_sequence_length=args.max_sequence_length)
@@ -681,9 +658,8 @@ if __name__ == "__main__":
                 optimizer.zero_grad(set_to_none=True)
                 global_step += 1
                 decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))  # upstream EMA warm-up
-                with torch.no_grad():
-                    for e, p in zip(ema_params, lora_params):
-                        e.mul_(decay).add_(p.detach(), alpha=1 - decay)
+                for e, p in zip(ema_params, lora_params):  # e needs no grad, p.detach() builds no graph
+                    e.mul_(decay).add_(p.detach(), alpha=1 - decay)
 
         # ---- LOGGING, CHECKPOINT ----
         epoch_seconds = time.time() - epoch_start
