@@ -44,7 +44,6 @@ from sde import sde_step, shift_sigmas
 
 @dataclass
 class Args:
-    # ---- experiment ----
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (wandb group and run-directory prefix)"""
     seed: int = 42
@@ -61,7 +60,6 @@ class Args:
     """checkpoint directory to continue from (continues at the epoch after it)"""
     eval_only: bool = False
     """only evaluate (the EMA weights of --resume, or the base model) on the test prompts, then exit"""
-    # ---- model ----
     model: str = "black-forest-labs/FLUX.1-dev"
     """hub id or local path of a diffusers FluxPipeline"""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
@@ -76,7 +74,6 @@ class Args:
     """LoRA alpha (scale = alpha / rank)"""
     max_sequence_length: int = 512
     """T5 tokens per prompt (FLUX.1-dev: 512)"""
-    # ---- data and reward ----
     train_prompts: str = "prompts/train.txt"
     """training prompts: one per line, or JSONL with a `prompt` field (other fields are passed to the reward)"""
     test_prompts: str = "prompts/test.txt"
@@ -85,7 +82,6 @@ class Args:
     """a rewards.py name, a weighted list `hpsv2=1.0,clipscore=1.0`, or `path/to/file.py:function`"""
     eval_reward: str | None = None
     """reward for eval; None = the training reward"""
-    # ---- sampling ----
     resolution: int = 720
     """image height and width in pixels"""
     num_steps: int = 12
@@ -104,7 +100,6 @@ class Args:
     """K > 0: per micro-batch, the dance SDE on K consecutive steps only (ODE elsewhere), trained on just those"""
     sde_window_range: tuple[int, int] | None = None
     """A B: the window lies in steps [A, B), its start drawn uniformly from A..B-K; None = (0, num_steps // 2)"""
-    # ---- batch sizes (global ones do not depend on the GPU count) ----
     group_size: int = 12
     """images per prompt (the GRPO group)"""
     prompts_per_epoch: int = 16
@@ -117,7 +112,6 @@ class Args:
     """optimizer steps per epoch (the first is exactly on-policy; upstream 8 GPUs x 24 samples / GA 12 = 2)"""
     epochs: int = 300
     """epochs to train (each = sample, score, update)"""
-    # ---- optimisation ----
     learning_rate: float = 3e-4
     """AdamW learning rate (constant)"""
     weight_decay: float = 1e-4
@@ -126,7 +120,6 @@ class Args:
     """gradient-norm clip"""
     ema_decay: float = 0.0
     """EMA decay of the LoRA weights used for eval and the saved `ema` LoRA (0 disables, as the upstream LoRA script)"""
-    # ---- algorithm ----
     clip_range: float = 1e-4
     """PPO clip on the ratio of mean-over-elements log-probs (sde.py), hence tiny"""
     timestep_fraction: float = 0.6
@@ -135,7 +128,6 @@ class Args:
     """advantages are clipped to +-adv_clip"""
     on_policy_tol: float = 1e-3
     """warn when the epoch's first micro-step (exactly on-policy) has max |ratio - 1| above this"""
-    # ---- logging, eval, checkpoints ----
     eval_every: int = 50
     """evaluate every N epochs (and after the last)"""
     eval_sheet_size: int = 16
@@ -145,13 +137,10 @@ class Args:
 
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # upstream LoRA targets (double- and single-stream blocks)
-STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses a checkpoint saved with other values
 STEP_STREAM, GROUP_NOISE_STREAM = 1, 2  # extra seed keys keeping the timestep-subset and group-noise RNGs apart
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Algorithm: per-group advantages, timestep subsets and the clipped GRPO loss
-# ---------------------------------------------------------------------------------------------------------------
+# ---- Algorithm: per-group advantages, timestep subsets, the clipped GRPO loss, the SDE window ----
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """(reward - its group's mean) / (its group's std + eps), std UNBIASED as upstream's torch `.std()`
     (train_grpo_flux.py::train_one_step, --use_group). rewards, group_ids: (N,); every group needs >= 2 members.
@@ -165,8 +154,7 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float 
 def select_train_steps(batch: int, num_steps: int, fraction: float, generator: torch.Generator) -> torch.Tensor:
     """(batch, K) step indices: per sample an independent random K = int((num_steps - 1) * fraction) of the first
     num_steps - 1 transitions (the last, sharpest one is never trained, as upstream's hard-coded `[:, :-1]`)."""
-    candidates = num_steps - 1
-    return torch.rand(batch, candidates, generator=generator).argsort(dim=1)[:, : int(candidates * fraction)]
+    return torch.rand(batch, num_steps - 1, generator=generator).argsort(dim=1)[:, : int((num_steps - 1) * fraction)]
 
 
 def grpo_loss(log_prob, old_log_prob, advantages, clip_range: float, adv_clip: float):
@@ -187,17 +175,15 @@ def draw_sde_window(size: int, window_range: tuple[int, int], num_steps: int, ge
 
 
 def window_rollout(transformer, noise, sigmas, window, noise_level, cond, guidance_scale, autocast, generator):
-    """The dance SDE on steps window[0] <= i < window[1], ODE elsewhere (MixGRPO's / DiffSynth-Studio's noise window):
-    `rollout` on three sub-grids; cond = (embeds, pooled, text_ids, img_ids). Returns the window's latents
-    (B, K+1, L, 4C), log-probs (B, K) and the last step's x0_hat."""
+    """The dance SDE on steps window[0] <= i < window[1], ODE elsewhere (MixGRPO's / DiffSynth-Studio's noise window);
+    cond = (embeds, pooled, text_ids, img_ids). -> the window's latents (B, K+1, L, 4C), log-probs (B, K), x0_hat."""
+    def run(x, grid, kind, eta, gen):
+        return rollout(transformer, x, grid, kind, eta, *cond, guidance_scale, autocast, gen)
     start, end = window
-    x = noise if start == 0 else rollout(transformer, noise, sigmas[: start + 1], "ode", 0.0, *cond, guidance_scale,
-                                         autocast, None)[0][:, -1]
-    latents, log_probs, x0_hat = rollout(transformer, x, sigmas[start : end + 1], "dance", noise_level, *cond,
-                                         guidance_scale, autocast, generator)
+    x = noise if start == 0 else run(noise, sigmas[: start + 1], "ode", 0.0, None)[0][:, -1]
+    latents, log_probs, x0_hat = run(x, sigmas[start : end + 1], "dance", noise_level, generator)
     if end < len(sigmas) - 1:
-        x0_hat = rollout(transformer, latents[:, -1], sigmas[end:], "ode", 0.0, *cond, guidance_scale, autocast,
-                         None)[2]
+        x0_hat = run(latents[:, -1], sigmas[end:], "ode", 0.0, None)[2]
     return latents, log_probs, x0_hat
 
 
@@ -206,9 +192,7 @@ def dance_sigmas(num_steps: int, shift: float) -> torch.Tensor:
     return shift_sigmas(torch.linspace(1, 0, num_steps + 1), shift)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Boilerplate (same as grpo_sd35.py where the function is the same): checks, prompts, FLUX model, rollout, eval
-# ---------------------------------------------------------------------------------------------------------------
+# ---- Boilerplate (as grpo_sd35.py where the function is the same): checks, prompts, FLUX model, rollout, eval ----
 def fail(msg: str):
     raise SystemExit(f"error: {msg}")
 
@@ -222,9 +206,8 @@ def check_args(args) -> dict | None:
         fail(f"--{bad[0].replace('_', '-')} must be {'>= 0' if bad[0] == 'learning_rate' else '>= 1'}, got "
              f"{getattr(args, bad[0])}")
     try:  # the small config files give the resolution's factor before the weights load
-        files = ("vae/config.json", "transformer/config.json")
-        vae, dit = (json.load(open(os.path.join(args.model, f) if os.path.exists(args.model) else
-                                   hf_hub_download(args.model, f))) for f in files)
+        vae, dit = (json.load(open(os.path.join(args.model, f"{d}/config.json") if os.path.exists(args.model) else
+                                   hf_hub_download(args.model, f"{d}/config.json"))) for d in ("vae", "transformer"))
     except Exception as e:
         fail(f"model {args.model!r} is neither an existing local path nor a hub id like 'org/name' with vae/ and "
              f"transformer/ config.json ({type(e).__name__})")
@@ -241,10 +224,9 @@ def check_args(args) -> dict | None:
     if os.path.basename(os.path.abspath(args.resume)).startswith(".") or not os.path.isfile(path):
         fail(f"--resume {args.resume!r} is not a checkpoint directory (no state.pt; hidden ones are unfinished saves)")
     state = torch.load(path, map_location="cpu")
-    for flag in STATE_FLAGS:
-        if state["args"][flag] != getattr(args, flag):
-            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)!r} differs from the checkpoint's "
-                 f"{state['args'][flag]!r}; a resumed run must keep it")
+    for flag in ("model", "lora_rank", "lora_alpha"):  # --resume refuses a checkpoint saved with other values
+        if (saved := state["args"][flag]) != getattr(args, flag):
+            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)!r} differs from the checkpoint's {saved!r}")
     if not args.eval_only and state["next_epoch"] >= args.epochs:
         fail(f"--epochs {args.epochs} is not past the checkpoint's {state['next_epoch']} epochs: nothing to train")
     return state
@@ -254,8 +236,7 @@ def load_prompts(path: str) -> tuple[list[str], list[dict]]:
     """One prompt per line, or JSONL (`.jsonl`) with a `prompt` field; returns prompts and per-prompt metadata."""
     if not os.path.isfile(path):
         fail(f"prompt file {path!r} does not exist")
-    with open(path, encoding="utf-8") as f:
-        lines = [line.strip() for line in f if line.strip()]
+    lines = [line.strip() for line in open(path, encoding="utf-8") if line.strip()]
     if not lines:
         fail(f"prompt file {path!r} is empty")
     if not path.endswith(".jsonl"):
@@ -264,17 +245,6 @@ def load_prompts(path: str) -> tuple[list[str], list[dict]]:
     if any("prompt" not in row for row in rows):
         fail(f"every line of {path!r} needs a 'prompt' field")
     return [row["prompt"] for row in rows], rows
-
-
-def setup_distributed() -> tuple[int, int, torch.device]:
-    """torchrun sets RANK/WORLD_SIZE: nccl on CUDA, gloo on CPU; plain `python` runs one process."""
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if "RANK" not in os.environ:
-        return 0, 1, device
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size(), device
 
 
 def all_gather_cat(t: torch.Tensor, world: int) -> torch.Tensor:
@@ -289,11 +259,6 @@ def all_gather_cat(t: torch.Tensor, world: int) -> torch.Tensor:
 def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
     """A generator whose seed mixes (seed, epoch, rank, ...): every draw is reproducible on resume, no state to save."""
     return torch.Generator(device).manual_seed(int(np.random.SeedSequence(list(keys)).generate_state(1)[0]))
-
-
-def encode(pipe, prompts: list[str], device, max_sequence_length: int):
-    """T5 hidden states (B, L, 4096), CLIP-L pooled (B, 768) and text ids (L, 3), as FluxPipeline does."""
-    return pipe.encode_prompt(prompts, None, device=device, max_sequence_length=max_sequence_length)
 
 
 def image_ids(height: int, width: int, device) -> torch.Tensor:
@@ -353,19 +318,18 @@ def contact_sheet(images: list[np.ndarray], path: str):
 
 @torch.no_grad()
 def evaluate(pipe, args, prompts, metadata, reward_fn, eval_sigmas, img_ids, rank, world, device, autocast, shape):
-    """ODE sampling of the test prompts (prompt i on rank i % world, noise seeded by i). Returns the means of the reward
-    ("reward_mean") and of every value in its info (e.g. pickscore_raw), and the sheet."""
-    mine = list(range(rank, len(prompts), world))
+    """ODE-sample the test prompts (prompt i on rank i % world, noise seed i) -> (means of reward and info, sheet)."""
     scores, sheet = [], []
     latent_size = args.resolution // pipe.vae_scale_factor
-    for start in range(0, len(mine), args.eval_batch_size):
-        idx = mine[start : start + args.eval_batch_size]
+    for start in range(rank, len(prompts), world * args.eval_batch_size):
+        idx = range(start, len(prompts), world)[: args.eval_batch_size]  # this rank's next prompts
         noise = torch.stack([torch.randn(shape, generator=seeded_generator(device, args.seed, i), device=device)
                              for i in idx])
-        embeds, pooled, text_ids = encode(pipe, [prompts[i] for i in idx], device, args.max_sequence_length)
-        _, _, x0_hat = rollout(pipe.transformer, noise, eval_sigmas, "ode", 0.0, embeds, pooled, text_ids, img_ids,
-                               args.guidance_scale, autocast, None)
-        images = decode(pipe.vae, unpack(x0_hat, latent_size, latent_size))  # ODE to sigma 0: x0_hat = final sample
+        embeds, pooled, text_ids = pipe.encode_prompt([prompts[i] for i in idx], None, device=device,
+                                                      max_sequence_length=args.max_sequence_length)
+        x0_hat = rollout(pipe.transformer, noise, eval_sigmas, "ode", 0.0, embeds, pooled, text_ids, img_ids,
+                         args.guidance_scale, autocast, None)[2]  # ODE to sigma 0: x0_hat = the final sample
+        images = decode(pipe.vae, unpack(x0_hat, latent_size, latent_size))
         batch_scores, info = reward_fn(images.cpu(), [prompts[i] for i in idx], [metadata[i] for i in idx])
         scores += [{"reward_mean": float(s), **{k: float(v[j]) for k, v in info.items()}}
                    for j, s in enumerate(batch_scores.tolist())]
@@ -379,25 +343,6 @@ def evaluate(pipe, args, prompts, metadata, reward_fn, eval_sigmas, img_ids, ran
     return means, [img for _, img in sorted(sheet, key=lambda t: t[0])]
 
 
-def save_checkpoint(path: str, transformer, lora_params, ema_params, optimizer, next_epoch, global_step, args,
-                    extra: dict):
-    """Atomic: written under a hidden temp name (which --resume refuses and `epoch_*` never matches), then renamed.
-    `lora/` and `ema_lora/` are diffusers LoRAs saved with their peft config, so `load_lora_weights` rebuilds the
-    trained alpha; state.pt resumes (`extra`: the algorithm's own tensors, e.g. snapshot adapters)."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    config = transformer.peft_config["default"].to_dict()
-    for name, weights in (("lora", []), ("ema_lora", ema_params)):  # [] swaps nothing in
-        with swapped(lora_params, weights):
-            FluxPipeline.save_lora_weights(os.path.join(tmp, name), get_peft_model_state_dict(transformer),
-                                          transformer_lora_adapter_metadata=config)
-    torch.save({"lora": [p.detach().cpu() for p in lora_params], "ema": [p.cpu() for p in ema_params],
-                "optimizer": optimizer.state_dict(), "next_epoch": next_epoch, "global_step": global_step,
-                "args": asdict(args), "extra": extra}, os.path.join(tmp, "state.pt"))
-    shutil.rmtree(path, ignore_errors=True)
-    os.rename(tmp, path)
-
-
 def shard_for_full_finetune(transformer):
     """fp32, trainable, FSDP2-sharded per FLUX block then the root (upstream fsdp_util.py: FSDP1, fp32 params)."""
     transformer.float().requires_grad_(True)
@@ -408,25 +353,39 @@ def shard_for_full_finetune(transformer):
     fully_shard(transformer)
 
 
-def save_full_checkpoint(path: str, transformer, optimizer, ema_params, next_epoch, global_step, args, rank: int):
-    """All ranks, atomic: `dcp/` shards, state.pt, after the last epoch diffusers `transformer/` (`ema_transformer/`)"""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")  # hidden until complete
-    model, optim = get_state_dict(transformer, optimizer)  # sharded, keyed by name
-    dist.checkpoint.save({"model": model, "optimizer": optim, "ema": dict(zip(model, ema_params))},
-                         checkpoint_id=f"{tmp}/dcp")
-    exports = [("transformer", []), ("ema_transformer", ema_params)] if next_epoch == args.epochs else []
-    for name, ema in exports[: 1 + bool(args.ema_decay)]:  # all weights, gathered on rank 0's CPU
-        with swapped(list(transformer.parameters()) if ema else [], ema):
-            full = get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:  # sharded safetensors + config, as FluxTransformer2DModel.save_pretrained writes them
-            out = f"{tmp}/{name}"
-            os.makedirs(out)
-            save_torch_state_dict(full, out, filename_pattern="diffusion_pytorch_model{suffix}.safetensors")
-            with open(f"{out}/config.json", "w") as f:
-                json.dump({**transformer.config, "_class_name": "FluxTransformer2DModel"}, f, indent=2)
+def save_checkpoint(path: str, transformer, params, ema_params, optimizer, next_epoch, global_step, args, rank: int):
+    """All ranks. Atomic: written to a hidden temp dir (--resume refuses it, `epoch_*` never matches it), then renamed.
+    state.pt resumes. LoRA: `lora/`, `ema_lora/` are diffusers LoRAs with their peft config (trained alpha).
+    --full-finetune: `dcp/` shards, after the last epoch diffusers `transformer/` (and `ema_transformer/`)."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
+    state = {"next_epoch": next_epoch, "global_step": global_step, "args": asdict(args)}
+    if args.full_finetune:
+        model, optim = get_state_dict(transformer, optimizer)  # sharded, keyed by name
+        dist.checkpoint.save({"model": model, "optimizer": optim, "ema": dict(zip(model, ema_params))},
+                             checkpoint_id=f"{tmp}/dcp")
+        exports = [("transformer", []), ("ema_transformer", ema_params)] if next_epoch == args.epochs else []
+        for name, ema in exports[: 1 + bool(args.ema_decay)]:  # all weights, gathered on rank 0's CPU
+            with swapped(params, ema):  # [] swaps nothing in
+                full = get_model_state_dict(transformer, options=StateDictOptions(full_state_dict=True,
+                                                                                  cpu_offload=True))
+            if rank == 0:  # sharded safetensors + config, as FluxTransformer2DModel.save_pretrained writes them
+                out = f"{tmp}/{name}"
+                os.makedirs(out)
+                save_torch_state_dict(full, out, filename_pattern="diffusion_pytorch_model{suffix}.safetensors")
+                with open(f"{out}/config.json", "w") as f:
+                    json.dump({**transformer.config, "_class_name": "FluxTransformer2DModel"}, f, indent=2)
+        state["kind"] = "full_finetune"
+    elif rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        config = transformer.peft_config["default"].to_dict()
+        for name, ema in (("lora", []), ("ema_lora", ema_params)):
+            with swapped(params, ema):
+                FluxPipeline.save_lora_weights(os.path.join(tmp, name), get_peft_model_state_dict(transformer),
+                                              transformer_lora_adapter_metadata=config)
+        state.update(lora=[p.detach().cpu() for p in params], ema=[p.cpu() for p in ema_params],
+                     optimizer=optimizer.state_dict())
     if rank == 0:
-        torch.save({"kind": "full_finetune", "next_epoch": next_epoch, "global_step": global_step,
-                    "args": asdict(args)}, os.path.join(tmp, "state.pt"))
+        torch.save(state, os.path.join(tmp, "state.pt"))
         if os.path.exists(path):
             os.rename(path, path + ".old")
         os.rename(tmp, path)
@@ -446,23 +405,6 @@ def swapped(params, ema):
         yield
     finally:
         swap()
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
-
-
-def prepare_run_dir(run_dir: str, start_epoch: int):
-    """Create the run dir; a resumed one drops the metrics of the epochs it redoes and a crashed save's temp dirs."""
-    for tmp in glob.glob(os.path.join(run_dir, "checkpoints", ".*")):
-        shutil.rmtree(tmp)
-    path = os.path.join(run_dir, "metrics.jsonl")
-    lines = open(path).readlines() if os.path.exists(path) else []
-    os.makedirs(run_dir, exist_ok=True)
-    with open(path, "w") as f:
-        f.writelines(line for line in lines if json.loads(line)["epoch"] < start_epoch)
 
 
 def rank_mean(values: dict[str, float], world: int, device) -> dict[str, float]:
@@ -499,7 +441,13 @@ if __name__ == "__main__":
     if num_train_steps < 1:
         fail(f"--timestep-fraction {args.timestep_fraction} trains no step of the first --num-steps {args.num_steps} "
              f"- 1 transitions; raise either")
-    rank, world, device = setup_distributed()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":  # cuDNN attention's backward crashes or returns NaN on FLUX (torch 2.11, H100): use flash
+        torch.cuda.set_device(device)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    if "RANK" in os.environ:  # torchrun sets RANK/WORLD_SIZE: nccl on CUDA, gloo on CPU; `python` runs one process
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if "RANK" in os.environ else (0, 1)
     quiet = rank != 0 or not sys.stderr.isatty()  # progress bars only on rank 0's terminal, not in log files
     try:  # rewards are built before the model: a bad file or a server that does not answer fails here
         rewards.check_prompts(args.reward, train_prompts)
@@ -508,8 +456,6 @@ if __name__ == "__main__":
         eval_reward_fn = rewards.build_reward(args.eval_reward, device=device) if args.eval_reward else reward_fn
     except ValueError as e:
         fail(str(e))
-    if device.type == "cuda":  # cuDNN attention's backward crashes or returns NaN on FLUX (torch 2.11, H100): use flash
-        torch.backends.cuda.enable_cudnn_sdp(False)
     if args.full_finetune and len(test_prompts) % world:  # FSDP: every forward runs on all ranks
         fail(f"--full-finetune: {len(test_prompts)} test prompts do not split evenly into {world} GPUs")
     if args.full_finetune and world == 1:  # fp32 weights, grads, AdamW's 2 moments: 16 bytes/parameter (meta device)
@@ -569,28 +515,31 @@ if __name__ == "__main__":
     img_ids = image_ids(latent_size // 2, latent_size // 2, device)
     sigmas = dance_sigmas(args.num_steps, args.shift).to(device)  # (T+1,) from 1 to 0
     eval_sigmas = dance_sigmas(args.eval_num_steps, args.shift).to(device)
-    reward_weights = reward_fn.weights  # {component: weight}
-    start_epoch, global_step = 0, 0
+    start_epoch, global_step = (state["next_epoch"], state["global_step"]) if state is not None else (0, 0)
     if state is not None and args.full_finetune:  # each rank reads its shards in place, from any GPU count's checkpoint
         model_sd, optim_sd = get_state_dict(transformer, optimizer)
         dist.checkpoint.load({"model": model_sd, "optimizer": optim_sd, "ema": dict(zip(model_sd, ema_params))},
                              checkpoint_id=os.path.join(args.resume, "dcp"))
-        start_epoch, global_step = state["next_epoch"], state["global_step"]
     elif state is not None:
         for p, saved in zip(lora_params + ema_params, state["lora"] + state["ema"]):
             p.data.copy_(saved)
         optimizer.load_state_dict(state["optimizer"])
-        start_epoch, global_step = state["next_epoch"], state["global_step"]
-    if rank == 0:  # created only now: a run that fails earlier leaves no directory behind
-        prepare_run_dir(run_dir, start_epoch)
-    if args.track and rank == 0:
-        import wandb
-        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=os.path.basename(run_dir),
-                   config=vars(args), save_code=True)
+    if rank == 0:  # the run dir is created only now: a run that fails earlier leaves no directory behind
+        for tmp in glob.glob(os.path.join(run_dir, "checkpoints", ".*")):  # a crashed save's temp dirs
+            shutil.rmtree(tmp)
+        metrics_path = os.path.join(run_dir, "metrics.jsonl")  # a resumed run drops the epochs it redoes
+        lines = open(metrics_path).readlines() if os.path.exists(metrics_path) else []
+        os.makedirs(run_dir, exist_ok=True)
+        with open(metrics_path, "w") as f:
+            f.writelines(line for line in lines if json.loads(line)["epoch"] < start_epoch)
+        if args.track:
+            import wandb
+            wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=os.path.basename(run_dir),
+                       config=vars(args), save_code=True)
 
     def log(metrics: dict, epoch: int):
         if rank == 0:
-            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+            with open(metrics_path, "a") as f:
                 f.write(json.dumps({"epoch": epoch, **metrics}) + "\n")
             if args.track:
                 wandb.log(metrics, step=epoch)
@@ -616,25 +565,23 @@ if __name__ == "__main__":
 
         # ---- SAMPLING: identical prompt draw on every rank; each group's images spread over ranks ----
         prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
-        if len(train_prompts) >= args.prompts_per_epoch:
-            chosen = torch.randperm(len(train_prompts), generator=prompt_gen)[: args.prompts_per_epoch]
-        else:
-            chosen = torch.randint(len(train_prompts), (args.prompts_per_epoch,), generator=prompt_gen)
+        chosen = (torch.randperm(len(train_prompts), generator=prompt_gen)[: args.prompts_per_epoch]
+                  if len(train_prompts) >= args.prompts_per_epoch  # without replacement while there are enough
+                  else torch.randint(len(train_prompts), (args.prompts_per_epoch,), generator=prompt_gen))
         order = torch.randperm(images_per_epoch, generator=prompt_gen)
         group_ids = torch.arange(args.prompts_per_epoch).repeat_interleave(args.group_size)[order]  # (P*G,) all ranks
         my_groups = group_ids[rank * local_images : (rank + 1) * local_images].view(num_batches, args.batch_size)
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
         transformer.eval()
-        # text conditioning once per prompt this rank samples: (U, L, 4096), (U, 768), (L, 3); U = groups here
-        groups_here = my_groups.unique()  # sorted
-        with torch.no_grad():
-            all_embeds, all_pooled, text_ids = encode(pipe, [train_prompts[int(chosen[g])] for g in groups_here],
-                                                      device, args.max_sequence_length)
+        groups_here = my_groups.unique()  # sorted; text conditioning once per prompt this rank samples (U of them)
+        with torch.no_grad():  # T5 (U, L, 4096), CLIP-L pooled (U, 768), text ids (L, 3)
+            all_embeds, all_pooled, text_ids = pipe.encode_prompt(
+                [train_prompts[int(chosen[g])] for g in groups_here], None, device=device,
+                max_sequence_length=args.max_sequence_length)
         batches, futures = [], []
         for b in tqdm(range(num_batches), desc=f"epoch {epoch} sampling", disable=quiet, leave=False):
             pos = torch.searchsorted(groups_here, my_groups[b]).to(device)  # (B,) rows of all_embeds
             idx = [int(chosen[g]) for g in my_groups[b]]
-            prompts, meta = [train_prompts[i] for i in idx], [train_meta[i] for i in idx]
             if args.init_same_noise:  # the group's shared initial latent, the same on whichever rank draws it
                 noise = torch.stack([torch.randn(latent_shape, device=device, generator=seeded_generator(
                     device, args.seed, epoch, int(g), GROUP_NOISE_STREAM)) for g in my_groups[b]])
@@ -645,18 +592,18 @@ if __name__ == "__main__":
                                                         (all_embeds[pos], all_pooled[pos], text_ids, img_ids),
                                                         args.guidance_scale, autocast, noise_gen)  # (B, K+1, L, 4C)
             images = decode(pipe.vae, unpack(x0_hat, latent_size, latent_size))  # the last step's x0_hat, as upstream
-            futures.append(executor.submit(reward_fn, images.cpu(), prompts, meta))
+            futures.append(executor.submit(reward_fn, images.cpu(), [train_prompts[i] for i in idx],
+                                           [train_meta[i] for i in idx]))
             batches.append({"pos": pos, "latents": latents, "log_probs": log_probs, "sigmas": sigmas[window[0] :]})
         sampling_seconds = time.time() - epoch_start
 
         # ---- REWARD: wait for the scorer, gather every rank's rewards in rank order ----
         results = [f.result() for f in futures]
-        local_rewards = torch.cat([r[0] for r in results]).float()  # (local_images,)
-        components = {k: torch.cat([r[1][k] for r in results]) for k in reward_weights}  # each (local_images,)
-        all_rewards = all_gather_cat(local_rewards.to(device), world).cpu()  # (P*G,) aligned with group_ids
-        all_components = {k: all_gather_cat(v.to(device), world).cpu() for k, v in components.items()}
-        extras = rank_mean({f"reward/{k}": torch.cat([r[1][k] for r in results]).mean().item()  # e.g. pickscore_raw
-                            for k in results[0][1] if k not in reward_weights}, world, device)
+        info = {k: torch.cat([r[1][k] for r in results]) for k in results[0][1]}  # each (local_images,)
+        all_rewards = all_gather_cat(torch.cat([r[0] for r in results]).float().to(device), world).cpu()  # (P*G,)
+        all_components = {k: all_gather_cat(info[k].to(device), world).cpu() for k in reward_fn.weights}  # same order
+        extras = rank_mean({f"reward/{k}": v.mean().item() for k, v in info.items() if k not in reward_fn.weights},
+                           world, device)  # info beyond the weighted components, e.g. pickscore_raw
         if reward_fn.group_transform is not None:  # groupwise rewards (pickscore_rank) see whole groups only here
             all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
 
@@ -664,7 +611,7 @@ if __name__ == "__main__":
         advantages = group_advantages(all_rewards, group_ids)
         check_finite(f"epoch {epoch}", run_dir, reward=all_rewards, advantage=advantages)
         my_adv = advantages[rank * local_images : (rank + 1) * local_images].to(device).view(num_batches, -1)
-        group_std = torch.stack([all_rewards[group_ids == g].std(unbiased=False) for g in range(args.prompts_per_epoch)])
+        group_std = torch.stack([all_rewards[group_ids == g].std(unbiased=False) for g in group_ids.unique()])
 
         # ---- TRAINING: per micro-batch, K random steps per sample (mixed in one forward), clipped ratio ----
         transformer.train()
@@ -711,12 +658,13 @@ if __name__ == "__main__":
                 optimizer.zero_grad(set_to_none=True)
                 global_step += 1
                 decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))  # upstream EMA warm-up
-                with torch.no_grad():
-                    for e, p in zip(ema_params, lora_params):
-                        e.mul_(decay).add_(p.detach(), alpha=1 - decay)
+                for e, p in zip(ema_params, lora_params):  # e needs no grad, p.detach() builds no graph
+                    e.mul_(decay).add_(p.detach(), alpha=1 - decay)
 
         # ---- LOGGING, CHECKPOINT ----
         epoch_seconds = time.time() - epoch_start
+        max_mem_gb = (torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda"
+                      else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6)  # Linux reports KiB
         metrics.update(rank_mean({f"losses/{k}": float(np.mean(v)) for k, v in stats.items()}, world, device))
         metrics.update({
             "losses/on_policy_ratio_dev": on_policy_dev, "losses/grad_norm": float(grad_norm),
@@ -725,25 +673,21 @@ if __name__ == "__main__":
             **{f"reward/{k}": v.mean().item() for k, v in all_components.items()}, **extras,
             "charts/global_step": global_step, "charts/learning_rate": args.learning_rate,
             "perf/images_per_sec": images_per_epoch / sampling_seconds, "perf/epoch_seconds": epoch_seconds,
-            "perf/max_mem_gb": peak_memory_gb(device),
-        })
+            "perf/max_mem_gb": max_mem_gb})
         if epoch + 1 == args.epochs:
             metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
         log(metrics, epoch)
-        if rank == 0 and (group_std == 0).all():  # warnings.warn shows this once per run
-            warnings.warn("an epoch where every group's rewards are all equal: zero advantages, nothing to learn")
         if rank == 0:
+            if (group_std == 0).all():  # warnings.warn shows this once per run
+                warnings.warn("an epoch where every group's rewards are all equal: zero advantages, nothing to learn")
+            eval_note = f" | eval {metrics['eval/reward_mean']:.4f}" if "eval/reward_mean" in metrics else ""
             print(f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± {metrics['reward/std']:.4f} | policy "
-                  f"{metrics['losses/policy_loss']:.3e} | ratio dev {on_policy_dev:.1e} "
-                  f"| clipfrac {metrics['losses/clipfrac']:.3f} | {metrics['perf/images_per_sec']:.2f} img/s "
-                  f"| {epoch_seconds:.0f}s" + (f" | eval {metrics['eval/reward_mean']:.4f}" if "eval/reward_mean" in metrics else ""))
+                  f"{metrics['losses/policy_loss']:.3e} | ratio dev {on_policy_dev:.1e} | clipfrac "
+                  f"{metrics['losses/clipfrac']:.3f} | {metrics['perf/images_per_sec']:.2f} img/s | "
+                  f"{epoch_seconds:.0f}s{eval_note}")
         if (epoch + 1) % args.save_every == 0 or epoch + 1 == args.epochs:
-            if args.full_finetune:
-                save_full_checkpoint(os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}"), transformer,
-                                     optimizer, ema_params, epoch + 1, global_step, args, rank)
-            elif rank == 0:
-                save_checkpoint(os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}"), transformer,
-                                lora_params, ema_params, optimizer, epoch + 1, global_step, args, extra={})
+            save_checkpoint(os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}"), transformer, lora_params,
+                            ema_params, optimizer, epoch + 1, global_step, args, rank)
             if world > 1:
                 dist.barrier()
     executor.shutdown()
