@@ -1,8 +1,7 @@
-"""Centered Reward Distillation (CRD, arXiv:2603.14128) on Stable Diffusion 3.5 Medium: forward-process RL that
-regresses a centered implicit reward onto the centered external reward. Upstream: the paper author's port,
-X-GenGroup/Flow-Factory trainers/crd.py (CRDTrainer). Rollouts come from a "sampling" LoRA snapshot; r_theta =
-flow-matching-error gap of the current LoRA to an "old" snapshot; KL to the base model with CFG. Defaults = paper
-Table 3 (OCR), as mapped in the port's PR #121:
+"""Centered Reward Distillation (CRD, arXiv:2603.14128) on SD3.5 Medium: forward-process RL that regresses a centered
+implicit reward onto the centered external reward. Upstream: the paper author's port, X-GenGroup/Flow-Factory
+trainers/crd.py (CRDTrainer). Rollouts from a "sampling" LoRA snapshot; r_theta = flow-matching-error gap of the
+current LoRA to an "old" snapshot; KL to the base model with CFG. Defaults = paper Table 3 (OCR), port's PR #121:
     torchrun --nproc_per_node 8 crd_sd35.py --kl-beta 0.1 --train-prompts ocr/train.txt --test-prompts ocr/test.txt
 One-minute CPU demo on a tiny random model:
     python tests/tiny.py /tmp/tiny && python crd_sd35.py --model /tmp/tiny/tiny-sd3 --train-prompts tests/assets/ocr_prompts.txt \

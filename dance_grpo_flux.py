@@ -223,6 +223,8 @@ def check_args(args) -> dict | None:
     path = os.path.join(args.resume, "state.pt")
     if os.path.basename(os.path.abspath(args.resume)).startswith(".") or not os.path.isfile(path):
         fail(f"--resume {args.resume!r} is not a checkpoint directory (no state.pt; hidden ones are unfinished saves)")
+    if os.path.isdir(os.path.join(args.resume, "dcp")) != args.full_finetune:
+        fail(f"--resume {args.resume!r} is {'not ' * args.full_finetune}a --full-finetune checkpoint: match the flag")
     state = torch.load(path, map_location="cpu")
     for flag in ("model", "lora_rank", "lora_alpha"):  # --resume refuses a checkpoint saved with other values
         if (saved := state["args"][flag]) != getattr(args, flag):
@@ -430,8 +432,6 @@ if __name__ == "__main__":
     if args.full_finetune and ((args.lora_rank, args.lora_alpha) != (128, 256) or args.mixed_precision == "fp16"):
         fail("--full-finetune trains every weight in fp32 under bf16 autocast: no LoRA-only --lora-rank/--lora-alpha, "
              "no --mixed-precision fp16")
-    if args.resume and os.path.isdir(os.path.join(args.resume, "dcp")) != args.full_finetune:
-        fail(f"--resume {args.resume!r} is {'not ' * args.full_finetune}a --full-finetune checkpoint: match the flag")
     if args.group_size < 2:
         fail(f"--group-size {args.group_size}: a group needs at least 2 images for its (unbiased) std")
     lo, hi = window_range = args.sde_window_range or (0, args.num_steps // 2)

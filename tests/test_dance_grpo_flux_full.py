@@ -3,6 +3,7 @@ gloo on CPU), its torch.distributed.checkpoint resume, the diffusers-format expo
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -42,9 +43,10 @@ def eval_in_this_process(tiny_flux, run_flags, export_dir):
     latent = args.resolution // pipe.vae_scale_factor
     prompts = open(PROMPTS).read().split("\n")
     prompts = [p.strip() for p in prompts if p.strip()]
-    return evaluate(pipe, args, prompts, [{}] * len(prompts), rewards.build_reward(TOY_REWARD),
-                    dance_sigmas(args.eval_num_steps, args.shift), image_ids(latent // 2, latent // 2, "cpu"), 0, 1,
-                    torch.device("cpu"), autocast, ((latent // 2) ** 2, pipe.transformer.config.in_channels))
+    means, sheet = evaluate(pipe, args, prompts, [{}] * len(prompts), rewards.build_reward(TOY_REWARD),
+                            dance_sigmas(args.eval_num_steps, args.shift), image_ids(latent // 2, latent // 2, "cpu"), 0, 1,
+                            torch.device("cpu"), autocast, ((latent // 2) ** 2, pipe.transformer.config.in_channels))
+    return means["reward_mean"], sheet
 
 
 @pytest.fixture(scope="module")
@@ -117,9 +119,9 @@ def test_one_process_full_finetune(full_run, base_weights, tiny_flux, tmp_path):
 def test_resume_of_sharded_state_matches_uninterrupted_run(tiny_flux, tmp_path, full_run):
     run_dir, _ = full_run
     first = run_script(SCRIPT, flags(tiny_flux, tmp_path / "a") + ["--epochs", "1"])
-    resumed = run_script(SCRIPT, flags(tiny_flux, tmp_path / "b") + [
+    resumed = run_script(SCRIPT, flags(tiny_flux, tmp_path / "a") + [
         "--epochs", "2", "--resume", str(first / "checkpoints" / "epoch_00001")])
-    assert [m["epoch"] for m in read_metrics(resumed)] == [1]
+    assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]  # the resumed run continues in its own run dir
     want, got = exported(run_dir / "checkpoints" / "epoch_00002"), exported(resumed / "checkpoints" / "epoch_00002")
     assert all(torch.allclose(want[n], got[n], atol=1e-6, rtol=0) for n in want)
 
@@ -152,10 +154,10 @@ def test_two_process_full_finetune_shards_and_exports(tiny_flux, tmp_path, base_
 
 
 def test_full_finetune_bad_input(tiny_flux, tmp_path, full_run):
-    base = flags(tiny_flux, tmp_path)
+    base = flags(tiny_flux, tmp_path / "out")
     assert_bad_input(SCRIPT, base + ["--lora-alpha", "8"], "LoRA-only")
     assert_bad_input(SCRIPT, base[:-len(FULL)] + FULL + ["--mixed-precision", "fp16"], "no --mixed-precision fp16")
-    assert_bad_input(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path) + [
+    assert_bad_input(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path / "out") + [
         "--resume", str(full_run[0] / "checkpoints" / "epoch_00002")], "is a --full-finetune checkpoint")
     lora_checkpoint = tmp_path / "lora_ckpt"
     lora_checkpoint.mkdir()
@@ -167,4 +169,6 @@ def test_full_finetune_bad_input(tiny_flux, tmp_path, full_run):
     config = {"_class_name": "FluxTransformer2DModel", "num_layers": 100, "num_single_layers": 200,
               "guidance_embeds": True}  # the rest: FLUX.1-dev's widths (the class defaults)
     (big / "transformer" / "config.json").write_text(json.dumps(config))
+    (big / "vae").mkdir()
+    (big / "vae" / "config.json").write_text((Path(tiny_flux) / "vae" / "config.json").read_text())
     assert_bad_input(SCRIPT, base + ["--model", str(big)], "GB (fp32 weights+grads+AdamW)")

@@ -310,7 +310,8 @@ def test_bad_input_is_rejected_before_loading(tiny_sd3, tmp_path, flags, message
 def test_empty_prompt_file_is_rejected(tiny_sd3, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
-    assert_bad_input(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path) + ["--train-prompts", str(empty)], "is empty")
+    assert_bad_input(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path / "out") + ["--train-prompts", str(empty)],
+                     "is empty")
 
 
 def test_toy_reward_flag_is_the_default_of_the_harness():
