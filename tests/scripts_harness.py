@@ -1,11 +1,15 @@
 """Helpers shared by the end-to-end script tests: launch a script (python or torchrun/gloo), read its outputs."""
 
+import contextlib
+import io
 import json
 import math
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 from safetensors.torch import load_file
@@ -51,15 +55,56 @@ def run_script(script: str, flags: list[str], nproc: int = 1, check: bool = True
     return runs[0]
 
 
-def assert_bad_input(script: str, flags: list[str], message: str, env: dict | None = None):
-    """The script exits non-zero with a one-line `error: ...` naming the problem, and leaves no run directory."""
-    proc = subprocess.run([sys.executable, script] + flags, cwd=REPO, env={**_env(), **(env or {})},
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error:") and message in last, proc.stderr[-3000:]
+def assert_bad_input(script: str, flags: list[str], message: str, env: dict | None = None, in_process: bool = True):
+    """The script exits non-zero with a one-line `error: ...` naming the problem, loads no model, and leaves no run
+    directory. in_process=False runs the real command line (a fresh interpreter: ~15 s of imports per case, so each
+    script's tests keep one such case); in_process=True runs the script's __main__ here with its imports already
+    loaded, every from_pretrained (diffusers pipelines and models, transformers models) raising instead of loading."""
+    if in_process:
+        stderr = io.StringIO()
+        try:
+            with _script_context(env), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
+                sys.argv = [script] + flags
+                runpy.run_path(str(REPO / script), run_name="__main__")
+        except SystemExit as e:
+            last = e.code
+        else:
+            raise AssertionError(f"{script} {flags} did not exit\n{stderr.getvalue()[-3000:]}")
+        assert isinstance(last, str) and "\n" not in last, (last, stderr.getvalue()[-3000:])  # str: exit status 1
+    else:
+        proc = subprocess.run([sys.executable, script] + flags, cwd=REPO, env={**_env(), **(env or {})},
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode != 0
+        last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") and message in last, last
     out = Path(flags[flags.index("--output-dir") + 1])
     assert not out.exists() or not any(out.iterdir()), list(out.iterdir())
+
+
+class ModelLoaded(Exception):
+    """Raised by from_pretrained inside assert_bad_input(in_process=True): the input was accepted up to the model."""
+
+
+@contextlib.contextmanager
+def _script_context(env: dict | None):
+    """What a fresh `python script.py` would see (cwd, environment, argv), with loading a model an error."""
+    from diffusers import DiffusionPipeline, ModelMixin
+    from transformers import PreTrainedModel
+
+    def loaded(*args, **kwargs):
+        raise ModelLoaded(f"from_pretrained{args} was called")
+
+    cwd, argv = os.getcwd(), sys.argv
+    with contextlib.ExitStack() as stack:
+        for cls in (DiffusionPipeline, ModelMixin, PreTrainedModel):
+            stack.enter_context(mock.patch.object(cls, "from_pretrained", side_effect=loaded))
+        stack.enter_context(mock.patch.dict(os.environ, {**_env(), **(env or {})}, clear=True))
+        os.chdir(REPO)
+        try:
+            yield
+        finally:
+            os.chdir(cwd)
+            sys.argv = argv
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

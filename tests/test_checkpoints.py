@@ -9,7 +9,8 @@ from peft import LoraConfig
 
 import dance_grpo_flux
 import grpo_sd35
-from scripts_harness import PROMPTS, REPO, TOY_REWARD, assert_bad_input, read_metrics, run_script, tiny_sd35_flags
+from scripts_harness import (PROMPTS, REPO, TOY_REWARD, ModelLoaded, assert_bad_input, read_metrics, run_script,
+                             tiny_sd35_flags)
 
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--ema-decay", "0.5", "--learning-rate", "1e-2"]  # scale 2; EMA != LoRA
 
@@ -72,31 +73,44 @@ BAD = [
 ]
 
 
+def configs_only(tiny_sd3, tmp_path) -> Path:
+    """A model dir with only the vae/ and transformer/ config files: nothing could load from it."""
+    model = tmp_path / "configs-only"
+    for sub in ("vae", "transformer"):
+        (model / sub).mkdir(parents=True)
+        (model / sub / "config.json").write_text((Path(tiny_sd3) / sub / "config.json").read_text())
+    return model
+
+
 @pytest.mark.parametrize("script", ["grpo_sd35.py", "nft_sd35.py", "awm_sd35.py", "crd_sd35.py"])
 @pytest.mark.parametrize("extra,message", BAD, ids=[m for _, m in BAD])
 def test_bad_input_fails_before_the_model_loads(tiny_sd3, tmp_path, script, extra, message):
-    """One line, no run directory; the tiny model dir holds only config files here, so nothing could have loaded."""
+    """One line, no run directory, no from_pretrained call (and a configs-only model dir). The first case goes through
+    the real command line of nft/awm/crd (grpo's: the wandb case below); the rest run in this process."""
     if f"    {extra[0][2:].replace('-', '_')}:" not in (REPO / script).read_text():
         pytest.skip(f"{script} has no {extra[0]}")  # awm_sd35.py: one update per epoch
-    model = tmp_path / "configs-only"
-    for sub in ("vae", "transformer"):
-        (model / sub).mkdir(parents=True)
-        (model / sub / "config.json").write_text((Path(tiny_sd3) / sub / "config.json").read_text())
-    assert_bad_input(script, tiny_sd35_flags(model, tmp_path / "out") + extra, message)
+    assert_bad_input(script, tiny_sd35_flags(configs_only(tiny_sd3, tmp_path), tmp_path / "out") + extra, message,
+                     in_process=extra != BAD[0][0] or script == "grpo_sd35.py")
+
+
+@pytest.mark.parametrize("script", ["grpo_sd35.py", "nft_sd35.py", "awm_sd35.py", "crd_sd35.py", "dance_grpo_flux.py"])
+def test_in_process_bad_input_check_stops_at_the_model_load(tiny_sd3, tiny_flux, tmp_path, script):
+    """What makes assert_bad_input(in_process=True) mean "before the model loads": good input reaches the script's
+    from_pretrained, which raises there instead of loading."""
+    flags = (tiny_flux_flags(tiny_flux, tmp_path) if script.startswith("dance") else tiny_sd35_flags(tiny_sd3, tmp_path)
+             + ["--train-batch-size", "2"] * (script == "awm_sd35.py"))  # (awm: 8 images / default 3 do not split)
+    with pytest.raises(ModelLoaded):
+        assert_bad_input(script, flags, "never reached")
 
 
 def test_bad_reward_file_and_wandb_login_fail_before_the_model_loads(tiny_sd3, tmp_path):
-    model = tmp_path / "configs-only"
-    for sub in ("vae", "transformer"):
-        (model / sub).mkdir(parents=True)
-        (model / sub / "config.json").write_text((Path(tiny_sd3) / sub / "config.json").read_text())
-    flags = tiny_sd35_flags(model, tmp_path / "out")
+    flags = tiny_sd35_flags(configs_only(tiny_sd3, tmp_path), tmp_path / "out")
     broken = tmp_path / "broken.py"
     broken.write_text("def reward(images, prompts, metadata:\n")
     assert_bad_input("grpo_sd35.py", flags + ["--reward", f"{broken}:reward"], str(broken))
     (tmp_path / "ok.py").write_text("def other(images, prompts, metadata):\n    return images.mean((1, 2, 3)), {}\n")
     assert_bad_input("grpo_sd35.py", flags + ["--reward", f"{tmp_path / 'ok.py'}:reward"], "has no function 'reward'")
-    assert_bad_input("grpo_sd35.py", flags + ["--track"], "--track needs a wandb login",
+    assert_bad_input("grpo_sd35.py", flags + ["--track"], "--track needs a wandb login", in_process=False,
                      env={"WANDB_MODE": "online", "HOME": str(tmp_path), "WANDB_API_KEY": "", "NETRC": str(tmp_path / "n")})
     assert_bad_input("dance_grpo_flux.py", flags + ["--resolution", "36"], "not a multiple of 8 (VAE downsampling x 2x2")
 
@@ -110,10 +124,7 @@ def test_unreachable_reward_server_fails_fast_before_the_model_loads(tiny_sd3, t
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    model = tmp_path / "configs-only"
-    for sub in ("vae", "transformer"):
-        (model / sub).mkdir(parents=True)
-        (model / sub / "config.json").write_text((Path(tiny_sd3) / sub / "config.json").read_text())
+    model = configs_only(tiny_sd3, tmp_path)
     for reward in (f"geneval[url={url}]", f"remote[url={url}]"):
         assert_bad_input("grpo_sd35.py", tiny_sd35_flags(model, tmp_path / "out") + ["--reward", reward],
                          f"reward server {url} is not reachable")

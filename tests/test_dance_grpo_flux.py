@@ -231,7 +231,9 @@ def test_bad_input_is_rejected_before_loading(tiny_flux, tmp_path, flags, messag
 
 
 def test_resolution_must_fit_the_packing(tiny_flux, tmp_path):
-    assert_bad_input(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path) + ["--resolution", "36"], "not a multiple of 8")
+    """(Through the real command line: the other bad-input cases run in this process, see assert_bad_input.)"""
+    assert_bad_input(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path) + ["--resolution", "36"], "not a multiple of 8",
+                     in_process=False)
 
 
 def test_non_finite_loss_stops_with_message_and_keeps_checkpoint(tiny_flux, tmp_path):
