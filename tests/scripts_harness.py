@@ -6,6 +6,7 @@ import json
 import math
 import os
 import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -105,6 +106,18 @@ def _script_context(env: dict | None):
         finally:
             os.chdir(cwd)
             sys.argv = argv
+
+
+def cut_back_copy(run_dir: Path, out: Path, epoch: int = 1) -> Path:
+    """A copy of a finished run under `out` with the checkpoints after `epoch` removed (its metrics.jsonl keeps the
+    later epochs, which a resume must drop): resuming its epoch checkpoint must continue this copy and redo the
+    original's later epochs exactly. Saves each resume test a run of its own to stop at `epoch`."""
+    copy = out / run_dir.name
+    shutil.copytree(run_dir, copy)
+    for ckpt in (copy / "checkpoints").iterdir():
+        if int(ckpt.name.split("_")[1]) > epoch:
+            shutil.rmtree(ckpt)
+    return copy
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

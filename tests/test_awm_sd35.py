@@ -10,6 +10,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, SASolverScheduler
 from awm_sd35 import awm_log_prob, awm_policy_loss, sa_solver_rollout, stratified_timestep_indices
 from scripts_harness import (TOY_REWARD, assert_bad_input, assert_common_run, assert_reward_rose, lora_tensors,
                              read_metrics, run_script, tiny_sd35_flags)
+from scripts_harness import cut_back_copy
 
 SCRIPT = "awm_sd35.py"
 FAST = ["--train-batch-size", "2", "--train-timesteps", "2"]  # tiny runs: 2 samples x 2 timesteps per forward
@@ -160,7 +161,7 @@ def test_anchor_trails_the_lora(one_process_run):
 
 def test_resume_matches_uninterrupted_run(tiny_sd3, tmp_path, one_process_run):
     flags = FAST + ["--kl-beta", "0.01"]
-    first = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path / "a") + flags + ["--epochs", "1"])
+    first = cut_back_copy(one_process_run, tmp_path / "a")  # as if it had stopped after epoch 1
     resumed = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path / "a") + flags + [
         "--epochs", "2", "--resume", str(first / "checkpoints" / "epoch_00001")])
     assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]  # continues its run dir

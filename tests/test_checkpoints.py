@@ -9,8 +9,8 @@ from peft import LoraConfig
 
 import dance_grpo_flux
 import grpo_sd35
-from scripts_harness import (PROMPTS, REPO, TOY_REWARD, ModelLoaded, assert_bad_input, read_metrics, run_script,
-                             tiny_sd35_flags)
+from scripts_harness import (PROMPTS, REPO, TOY_REWARD, ModelLoaded, assert_bad_input, cut_back_copy, read_metrics,
+                             run_script, tiny_sd35_flags)
 
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--ema-decay", "0.5", "--learning-rate", "1e-2"]  # scale 2; EMA != LoRA
 
@@ -36,15 +36,24 @@ def velocity(module, transformer, flux: bool) -> torch.Tensor:
         return module.predict_velocity(transformer, x, 0.6, embeds, pooled, None, None, 1.0)
 
 
+GRPO_LORA = LORA + ["--ema-interval", "0", "--epochs", "2"]
+
+
+@pytest.fixture(scope="module")
+def grpo_lora_run(tiny_sd3, tmp_path_factory) -> Path:
+    """2 epochs of GRPO at alpha / rank = 2 with an EMA that moves every optimizer step (ema_lora != initial LoRA)."""
+    return run_script("grpo_sd35.py", tiny_sd35_flags(tiny_sd3, tmp_path_factory.mktemp("grpo")) + GRPO_LORA)
+
+
 @pytest.mark.parametrize("flux", [False, True], ids=["grpo_sd35", "dance_grpo_flux"])
-def test_saved_loras_load_as_trained(tiny_sd3, tiny_flux, tmp_path, flux):
+def test_saved_loras_load_as_trained(tiny_sd3, tiny_flux, tmp_path, flux, request):
     """`Pipeline.load_lora_weights(dir)` (README's one call) of lora/ and ema_lora/ gives the training process's
     transformer (its LoRA, or its EMA swapped in) exactly, at the trained alpha / rank = 2 (not 1)."""
     module, pipeline, model = (dance_grpo_flux, FluxPipeline, tiny_flux) if flux else (grpo_sd35,
                                                                                        StableDiffusion3Pipeline, tiny_sd3)
-    flags = (tiny_flux_flags(model, tmp_path) if flux else tiny_sd35_flags(model, tmp_path) + ["--ema-interval", "0"])
-    flags += LORA + ["--epochs", "2"]  # (GRPO's EMA moves every optimizer step, so ema_lora != the initial LoRA)
-    ckpt = run_script(module.__file__, flags) / "checkpoints" / "epoch_00002"
+    run = (run_script(module.__file__, tiny_flux_flags(model, tmp_path) + LORA + ["--epochs", "2"]) if flux
+           else request.getfixturevalue("grpo_lora_run"))
+    ckpt = run / "checkpoints" / "epoch_00002"
     state = torch.load(ckpt / "state.pt", map_location="cpu")
     assert not all(torch.equal(a, b) for a, b in zip(state["lora"], state["ema"]))
     trained = pipeline.from_pretrained(model).transformer  # the training process: add_adapter, then its weights
@@ -130,8 +139,8 @@ def test_unreachable_reward_server_fails_fast_before_the_model_loads(tiny_sd3, t
                          f"reward server {url} is not reachable")
 
 
-def test_resume_refuses_what_it_cannot_continue(tiny_sd3, tmp_path):
-    run = run_script("grpo_sd35.py", tiny_sd35_flags(tiny_sd3, tmp_path / "a") + LORA + ["--epochs", "1"])
+def test_resume_refuses_what_it_cannot_continue(tiny_sd3, tmp_path, grpo_lora_run):
+    run = cut_back_copy(grpo_lora_run, tmp_path / "a")  # as if it had stopped after epoch 1
     ckpt = run / "checkpoints" / "epoch_00001"
     base = tiny_sd35_flags(tiny_sd3, tmp_path / "b")
     resume = ["--epochs", "2", "--resume", str(ckpt)]
@@ -143,8 +152,8 @@ def test_resume_refuses_what_it_cannot_continue(tiny_sd3, tmp_path):
     (hidden / "state.pt").write_bytes((ckpt / "state.pt").read_bytes())
     assert_bad_input("grpo_sd35.py", base + LORA + ["--epochs", "3", "--resume", str(hidden)], "unfinished saves")
     # a resumed run continues its checkpoint's run dir, cleans the crashed save, prints its final eval
-    resumed = run_script("grpo_sd35.py", tiny_sd35_flags(tiny_sd3, tmp_path / "a") + LORA + [
-        "--epochs", "2", "--resume", str(ckpt)], check=False)
+    resumed = run_script("grpo_sd35.py", tiny_sd35_flags(tiny_sd3, tmp_path / "a") + GRPO_LORA + [
+        "--resume", str(ckpt)], check=False)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "eval after 2 epochs" in resumed.stdout and "process(es)" in resumed.stdout
     assert [m["epoch"] for m in read_metrics(run)] == [0, 1] and not hidden.exists()

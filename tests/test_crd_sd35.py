@@ -2,6 +2,7 @@
 decay schedules, then end-to-end runs on the tiny offline SD3 pipeline."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from crd_sd35 import (blend_snapshot, crd_implicit_reward, crd_kl, crd_loss, sig
                        train_timestep_indices)
 from scripts_harness import (TOY_REWARD, assert_bad_input, assert_common_run, assert_eval_only_reproduces,
                              assert_reward_rose, lora_tensors, read_metrics, run_script, tiny_sd35_flags)
+from scripts_harness import cut_back_copy
 
 SCRIPT = "crd_sd35.py"
 
@@ -196,23 +198,31 @@ def test_one_process_run_snapshots_follow_their_schedules(one_process_run):
     assert all(e.abs().sum() == 0 for e in ema[1::2])  # EMA every 10 epochs (the port): still the initial B = 0
 
 
-def test_run_trains_on_the_ports_grid(tiny_sd3, tmp_path):
+@pytest.fixture(scope="module")
+def frozen_old_run(tiny_sd3, tmp_path_factory) -> tuple[Path, str]:
+    """1 epoch: frozen old, half-blended sampler, batch centering, EMA every epoch, and 6 > 4 eligible train timesteps
+    (none of which changes what the other checks); returns the run dir and its stdout."""
+    out = tmp_path_factory.mktemp("crd_frozen")
+    proc = run_script(SCRIPT, flags(tiny_sd3, out, "--epochs", "1", "--old-decay", "0-1-0-1", "--sampling-decay",
+                                    "0-0.5-0-0.5", "--center-by", "batch", "--batch-size", "8", "--updates-per-epoch", "1",
+                                    "--ema-every", "1", "--num-train-timesteps", "6"), check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
+    return run_dir, proc.stdout
+
+
+def test_run_trains_on_the_ports_grid(tiny_sd3, frozen_old_run):
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    proc = run_script(SCRIPT, flags(tiny_sd3, tmp_path, "--epochs", "1", "--num-train-timesteps", "6",
-                                    "--save-every", "9"), check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    notes = [x for x in proc.stdout.splitlines() if x.startswith("note: --num-train-timesteps 6 > 4 eligible")]
+    notes = [x for x in frozen_old_run[1].splitlines() if x.startswith("note: --num-train-timesteps 6 > 4 eligible")]
     assert len(notes) == 1  # said once, at start
     shift = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_sd3, subfolder="scheduler").config.shift
     want = ", ".join(str(round(x, 4)) for x in sigma_grid(4, shift)[:-1].tolist())  # the tiny flags' --num-steps 4
     assert notes[0].split("[")[1].split("]")[0] == want
 
 
-def test_frozen_old_half_blended_sampler_and_batch_centering(tiny_sd3, tmp_path):
-    run_dir = run_script(SCRIPT, flags(tiny_sd3, tmp_path, "--epochs", "1", "--old-decay", "0-1-0-1",
-                                       "--sampling-decay", "0-0.5-0-0.5", "--center-by", "batch", "--batch-size", "8",
-                                       "--updates-per-epoch", "1", "--ema-every", "1"))
+def test_frozen_old_half_blended_sampler_and_batch_centering(frozen_old_run):
+    run_dir = frozen_old_run[0]
     (metrics,) = assert_common_run(run_dir, epochs=1)
     assert metrics["charts/old_decay"] == 1.0 and metrics["charts/sampling_decay"] == 0.5
     ckpt = run_dir / "checkpoints" / "epoch_00001"
@@ -226,7 +236,7 @@ def test_frozen_old_half_blended_sampler_and_batch_centering(tiny_sd3, tmp_path)
 
 
 def test_resume_restores_all_three_lora_states(tiny_sd3, tmp_path, one_process_run):
-    first = run_script(SCRIPT, flags(tiny_sd3, tmp_path / "a", "--epochs", "1"))
+    first = cut_back_copy(one_process_run, tmp_path / "a")  # as if it had stopped after epoch 1
     resumed = run_script(SCRIPT, flags(tiny_sd3, tmp_path / "a", "--epochs", "2", "--resume",
                                        str(first / "checkpoints" / "epoch_00001")))
     assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]  # continues its run dir

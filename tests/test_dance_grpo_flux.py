@@ -10,6 +10,7 @@ from dance_grpo_flux import (dance_sigmas, draw_sde_window, group_advantages, gr
                              rollout, select_train_steps, unpack, window_rollout)
 from scripts_harness import (PROMPTS, TOY_REWARD, assert_bad_input, assert_common_run, assert_eval_only_reproduces,
                              lora_tensors, read_metrics, run_script)
+from scripts_harness import cut_back_copy
 from sde import sde_step
 
 SCRIPT = "dance_grpo_flux.py"
@@ -174,7 +175,7 @@ def test_lora_starts_from_peft_default_init(one_process_run):
 
 
 def test_resume_matches_uninterrupted_run(tiny_flux, tmp_path, one_process_run):
-    first = run_script(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path / "a") + ["--epochs", "1"])
+    first = cut_back_copy(one_process_run, tmp_path / "a")  # as if it had stopped after epoch 1
     resumed = run_script(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path / "a") + [
         "--epochs", "2", "--resume", str(first / "checkpoints" / "epoch_00001")])
     assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]  # continues its run dir

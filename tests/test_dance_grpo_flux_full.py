@@ -14,6 +14,7 @@ from PIL import Image
 import rewards
 from dance_grpo_flux import Args, contact_sheet, dance_sigmas, evaluate, image_ids
 from scripts_harness import PROMPTS, TOY_REWARD, assert_bad_input, assert_eval_only_reproduces, read_metrics, run_script
+from scripts_harness import cut_back_copy
 from test_dance_grpo_flux import SCRIPT, tiny_flux_flags
 
 # weight decay 0: every change of a weight comes from its gradient; lr and clip large enough to move the tiny model
@@ -118,7 +119,7 @@ def test_one_process_full_finetune(full_run, base_weights, tiny_flux, tmp_path):
 
 def test_resume_of_sharded_state_matches_uninterrupted_run(tiny_flux, tmp_path, full_run):
     run_dir, _ = full_run
-    first = run_script(SCRIPT, flags(tiny_flux, tmp_path / "a") + ["--epochs", "1"])
+    first = cut_back_copy(run_dir, tmp_path / "a")  # as if it had stopped after epoch 1
     resumed = run_script(SCRIPT, flags(tiny_flux, tmp_path / "a") + [
         "--epochs", "2", "--resume", str(first / "checkpoints" / "epoch_00001")])
     assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]  # the resumed run continues in its own run dir

@@ -11,6 +11,7 @@ from grpo_sd35 import (compute_advantages, draw_sde_window, group_advantages, gr
                        ratio_norm_log_ratio, rollout, window_rollout)
 from scripts_harness import (TOY_REWARD, assert_bad_input, assert_common_run, assert_eval_only_reproduces,
                              assert_reward_rose, lora_tensors, read_metrics, run_script, tiny_sd35_flags)
+from scripts_harness import cut_back_copy
 from sde import gaussian_log_prob, sde_step
 
 SCRIPT = "grpo_sd35.py"
@@ -211,7 +212,7 @@ def test_ema_moves_per_micro_batch_at_upstreams_interval(tiny_sd3, tmp_path):
 
 
 def test_resume_matches_uninterrupted_run(tiny_sd3, tmp_path, one_process_run):
-    first = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path / "a") + ["--epochs", "1", "--kl-beta", "0.04"])
+    first = cut_back_copy(one_process_run, tmp_path / "a")  # as if it had stopped after epoch 1
     resumed = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path / "a") + [
         "--epochs", "2", "--kl-beta", "0.04", "--resume", str(first / "checkpoints" / "epoch_00001")])
     assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]  # continues its run dir
@@ -275,7 +276,7 @@ def test_ratio_norm_over_every_step(tiny_sd3, tmp_path):
 
 
 def test_window_run_resumes_exactly(tiny_sd3, tmp_path, fast_run):
-    first, _ = run_printing(tiny_sd35_flags(tiny_sd3, tmp_path / "a") + FAST_NOCFG + ["--epochs", "1"])
+    first = cut_back_copy(fast_run[0], tmp_path / "a")  # as if it had stopped after epoch 1
     resumed, _ = run_printing(tiny_sd35_flags(tiny_sd3, tmp_path / "a") + FAST_NOCFG + [
         "--epochs", "2", "--resume", str(first / "checkpoints" / "epoch_00001")])
     want = lora_tensors(fast_run[0] / "checkpoints" / "epoch_00002")

@@ -1,6 +1,7 @@
 """nft_sd35.py: hand-computed NFT loss and decay schedule, then end-to-end runs on the tiny offline SD3 pipeline."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 from nft_sd35 import dpm_sample, nft_loss, old_decay
 from scripts_harness import (assert_bad_input, assert_common_run, assert_eval_only_reproduces, assert_reward_rose,
                              lora_tensors, read_metrics, run_script, tiny_sd35_flags)
+from scripts_harness import cut_back_copy
 
 SCRIPT = "nft_sd35.py"
 
@@ -119,24 +121,32 @@ def test_one_process_run_old_policy_follows_its_schedule(one_process_run):
     assert any(not torch.equal(o, c) for o, c in zip(old, lora))  # eta > 0: a soft, not a hard, copy
 
 
-def test_run_rolls_out_and_trains_on_the_sd3_grid(tiny_sd3, tmp_path):
+@pytest.fixture(scope="module")
+def default_decay_run(tiny_sd3, tmp_path_factory) -> tuple[Path, str]:
+    """2 epochs at the default --decay-type 2; returns the run dir and its stdout."""
+    out = tmp_path_factory.mktemp("nft_default")
+    proc = run_script(SCRIPT, flags(tiny_sd3, out, "--epochs", "2"), check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
+    return run_dir, proc.stdout
+
+
+def test_run_rolls_out_and_trains_on_the_sd3_grid(tiny_sd3, default_decay_run):
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    proc = run_script(SCRIPT, flags(tiny_sd3, tmp_path, "--epochs", "1", "--save-every", "9"), check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("rollout grid sigma"))
+    line = next(x for x in default_decay_run[1].splitlines() if x.startswith("rollout grid sigma"))
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_sd3, subfolder="scheduler")
     scheduler.set_timesteps(4)  # the tiny flags' --num-steps: SD3's own grid, 1.0 ... 0 (not DPM-Solver's flow grid)
     assert line.split("[")[1].split("]")[0] == ", ".join(str(round(x, 4)) for x in scheduler.sigmas.tolist())
     assert line.endswith("training timesteps: all but the final 0") and scheduler.sigmas[0] == 1.0
 
 
-def test_decay_type_2_hard_copies_and_resume_restores_old(tiny_sd3, tmp_path):
-    full = run_script(SCRIPT, flags(tiny_sd3, tmp_path / "full", "--epochs", "2"))
+def test_decay_type_2_hard_copies_and_resume_restores_old(tiny_sd3, tmp_path, default_decay_run):
+    full = default_decay_run[0]
     for ckpt in ("epoch_00001", "epoch_00002"):
         old, lora = old_tensors(full / "checkpoints" / ckpt), lora_tensors(full / "checkpoints" / ckpt)
         assert all(torch.equal(o, c) for o, c in zip(old, lora))  # eta = 0 before step 75: old <- current
-    first = run_script(SCRIPT, flags(tiny_sd3, tmp_path / "a", "--epochs", "1"))
+    first = cut_back_copy(full, tmp_path / "a")  # as if it had stopped after epoch 1
     resumed = run_script(SCRIPT, flags(tiny_sd3, tmp_path / "a", "--epochs", "2", "--resume",
                                        str(first / "checkpoints" / "epoch_00001")))
     assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]  # continues its run dir
