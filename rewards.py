@@ -296,7 +296,8 @@ def remote(url="http://127.0.0.1:18090", timeout=300.0, retries=5, token=""):
 REWARDS = {"ocr": ocr, "pickscore": pickscore, "clipscore": clipscore, "aesthetic": aesthetic, "hpsv2": hpsv2,
            "imagereward": imagereward, "jpeg_compressibility": lambda: jpeg(-1 / 500),
            "jpeg_incompressibility": lambda: jpeg(1.0), "geneval": geneval, "vlm_judge": vlm_judge,
-           "vlm_yesno": vlm_yesno, "remote": remote, "pickscore_rank": pickscore}  # ranked by group_transform
+           "vlm_yesno": vlm_yesno, "remote": remote,
+           "pickscore_rank": pickscore}  # groupwise (Flow-Factory reward guide): ranked by build_reward.group_transform
 USES_DEVICE = {"pickscore", "clipscore", "aesthetic", "hpsv2", "imagereward", "pickscore_rank"}
 
 
@@ -373,7 +374,7 @@ def make_server(serve: str, host: str = "127.0.0.1", port: int = 18090, token: s
     Args:
         host: address to bind: loopback by default; 0.0.0.0 opens the server to the network (set a token then).
         token: secret every request must carry (401 missing, 403 wrong); default $REWARD_SERVER_TOKEN (not in ps).
-        max_body_mb: largest request body in MiB (413 over it, before anything is decoded; so are the next two).
+        max_body_mb: largest request body in MiB (over this or the next two limits: 413, before anything is decoded).
         max_images: most images in one request.
         max_pixels: most pixels (width x height) of one image.
         timeout: seconds a client may take to send its request (408 after).
@@ -382,7 +383,6 @@ def make_server(serve: str, host: str = "127.0.0.1", port: int = 18090, token: s
     fn, lock, max_body = build_reward(serve, device=device), threading.Lock(), int(max_body_mb * 2**20)
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None) if os.name == "posix" else None  # glibc keeps freed heap
     status_of = {TimeoutError: 408, Image.DecompressionBombError: 413}  # other errors: 400
-
     class Refused(Exception):  # Refused(HTTP status, message): a request the server will not score
         pass
 
@@ -429,7 +429,7 @@ def make_server(serve: str, host: str = "127.0.0.1", port: int = 18090, token: s
             reply = json.dumps(answer).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(reply)))  # HTTP/1.0: the connection closes after it
+            self.send_header("Content-Length", str(len(reply)))  # HTTP/1.0: one request per connection
             self.end_headers()
             self.wfile.write(reply)
         do_GET = do_POST

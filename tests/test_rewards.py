@@ -221,8 +221,9 @@ def test_missing_optional_dependency_names_pip_command(monkeypatch):
 
 
 # ---------------------------------------------------------------- network rewards against local servers
-def serve(handler_fn, delay: float = 0.0):
-    """Start a local HTTP server whose POST reply is handler_fn(path, body: bytes) -> (status, bytes); GET -> 200."""
+def serve(handler_fn, delay: float = 0.0, get_status: int = 200):
+    """Start a local HTTP server whose POST reply is handler_fn(path, body: bytes) -> (status, bytes); GET ->
+    get_status (the build-time probe: any answer but 401/403 means a server listens)."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
@@ -231,7 +232,7 @@ def serve(handler_fn, delay: float = 0.0):
             self.answer(*handler_fn(self.path, body))
 
         def do_GET(self):
-            self.answer(200, b"{}")
+            self.answer(get_status, b"{}")
 
         def answer(self, status, reply):
             self.send_response(status)
@@ -266,7 +267,7 @@ def test_geneval_client_protocol():
         return 200, pickle.dumps({"scores": [0.5] * n, "rewards": [1.0] * n, "strict_rewards": [0.0] * n,
                                   "group_rewards": {"counting": [1.0] * n}, "group_strict_rewards": {}})
 
-    server, url = serve(handler)
+    server, url = serve(handler, get_status=405)  # upstream's Flask route is POST-only
     meta = [{"tag": "counting", "include": [{"class": "cat", "count": 2}]}] * 3
     score, info = rewards.build_reward(f"geneval[url={url};batch_size=2]")(torch.rand(3, 3, 16, 16), ["p"] * 3, meta)
     assert score.tolist() == [0.5] * 3 and info["geneval_strict"].tolist() == [0.0] * 3
