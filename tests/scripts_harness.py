@@ -131,13 +131,16 @@ def assert_reward_rose(metrics: list[dict], window: int):
     assert sum(rewards[-window:]) / window > sum(rewards[:window]) / window + 2 * metrics[0]["reward/std"], rewards
 
 
-def toy_flags(model: str, out, steps: int = 6) -> list[str]:
-    """Flags shared by all five scripts for a toy-world run: train on the 18 training prompts with the exact counting
-    reward, eval (ODE, 10 steps) on the 96 held-out lines; 32 px, the 24 T5 tokens the toy models were trained with."""
+def toy_flags(model: str, out, steps: int = 10) -> list[str]:
+    """Flags shared by all five scripts for a toy-world run: train on the 18 training prompts with partial-credit
+    counting (denser than exact: a group of all-wrong 3-object images still ranks), eval exact accuracy (ODE, 10 steps)
+    on the 96 held-out lines; 32 px, the 24 T5 tokens the toy models were trained with; a rank-8 LoRA at scale 1,
+    96 images per epoch (6 prompts x 16), no KL and no EMA (eval scores the trained weights themselves)."""
     return ["--model", model, "--output-dir", str(out), "--train-prompts", TOY_TRAIN, "--test-prompts", TOY_TEST,
-            "--reward", COUNTING, "--resolution", "32", "--max-sequence-length", "24", "--mixed-precision", "no",
-            "--num-steps", str(steps), "--eval-num-steps", "10", "--eval-batch-size", "48", "--eval-every", "1000",
-            "--save-every", "1000"]
+            "--reward", COUNTING + "_partial", "--eval-reward", COUNTING, "--resolution", "32",
+            "--max-sequence-length", "24", "--mixed-precision", "no", "--num-steps", str(steps), "--eval-num-steps",
+            "10", "--eval-batch-size", "48", "--group-size", "16", "--prompts-per-epoch", "6", "--lora-rank", "8",
+            "--lora-alpha", "8", "--kl-beta", "0", "--ema-decay", "0", "--eval-every", "1000", "--save-every", "1000"]
 
 
 def assert_accuracy_rose(metrics: list[dict], min_gain: float):
