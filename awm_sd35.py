@@ -7,11 +7,12 @@ LoRA; exactly one optimizer step per epoch. Rollouts: diffusers' SASolverSchedul
 Defaults = the paper's OCR run (upstream config/dgx_awm.py::ocr_sd3_no_cfg_1node), rescaled to any GPU count:
     torchrun --nproc_per_node 8 awm_sd35.py --train-prompts ocr/train.txt --test-prompts ocr/test.txt
 GenEval: `--reward geneval --kl-beta 0.001`; PickScore: `--reward pickscore --kl-beta 1e-4 --time-type discrete
---noise-level 0 --prompts-per-epoch 24 --train-batch-size 2`.
-One-minute CPU demo on a tiny random model:
-    python tests/tiny.py /tmp/tiny && python awm_sd35.py --model /tmp/tiny/tiny-sd3 --train-prompts tests/assets/ocr_prompts.txt \
-        --test-prompts tests/assets/ocr_prompts.txt --resolution 64 --num-steps 6 --eval-num-steps 4 --group-size 4 \
-        --prompts-per-epoch 2 --batch-size 4 --train-batch-size 2 --train-timesteps 2 --epochs 2
+--noise-level 0 --prompts-per-epoch 24 --train-batch-size 2`. Toy-world CPU demo (~1 min; held-out `eval` rises):
+    python awm_sd35.py --model tests/assets/toy-sd3 --train-prompts tests/assets/toy_train.txt \
+        --test-prompts tests/assets/toy_test.txt --reward tests/toy_rewards.py:counting_partial \
+        --eval-reward tests/toy_rewards.py:counting --resolution 32 --max-sequence-length 24 --mixed-precision no \
+        --num-steps 10 --eval-num-steps 10 --group-size 16 --prompts-per-epoch 6 --batch-size 16 --train-batch-size 8 \
+        --lora-rank 8 --lora-alpha 8 --kl-beta 0 --anchor-beta 0 --ema-decay 0 --learning-rate 3e-3 --epochs 6
 """
 
 import glob
@@ -670,8 +671,7 @@ if __name__ == "__main__":
         # ---- LOGGING, CHECKPOINT ----
         epoch_seconds = time.time() - epoch_start
         metrics.update(rank_mean({f"losses/{k}": float(np.mean(v)) for k, v in stats.items()}, world, device))
-        metrics.update({
-            "losses/grad_norm": float(grad_norm), "charts/anchor_decay": d_anchor,
+        metrics.update({"losses/grad_norm": float(grad_norm), "charts/anchor_decay": d_anchor,
             "reward/mean": all_rewards.mean().item(), "reward/std": all_rewards.std(unbiased=False).item(),
             "reward/zero_std_group_frac": (group_std == 0).float().mean().item(),
             **{f"reward/{k}": v.mean().item() for k, v in all_components.items()}, **extras,
