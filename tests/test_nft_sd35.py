@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from nft_sd35 import dpm_sample, nft_loss, old_decay
-from scripts_harness import (assert_bad_input, assert_common_run, assert_eval_only_reproduces, assert_reward_rose,
-                             lora_tensors, read_metrics, run_script, tiny_sd35_flags)
-from scripts_harness import cut_back_copy
+from scripts_harness import (assert_bad_input, assert_common_run, assert_eval_only_reproduces, lora_tensors,
+                             read_metrics, run_script, tiny_sd35_flags)
+from scripts_harness import TOY_SD3, assert_accuracy_rose, cut_back_copy, toy_flags
 
 SCRIPT = "nft_sd35.py"
 
@@ -162,13 +162,12 @@ def test_two_process_torchrun(tiny_sd3, tmp_path):
     assert metrics[0]["losses/first_old_deviate"] < 1e-6
 
 
-def test_learning_brightness_rises(tiny_sd3, tmp_path):
-    # deterministic rollouts of a tiny random model barely differ, so NFT needs more epochs than GRPO here
-    run_dir = run_script(SCRIPT, flags(tiny_sd3, tmp_path, "--epochs", "16", "--kl-beta", "0", "--learning-rate", "1e-2",
-                                       "--ema-decay", "0", "--eval-every", "100", "--save-every", "100"))
-    metrics = read_metrics(run_dir)
-    assert_reward_rose(metrics, window=3)
-    assert metrics[-1]["eval/final_reward_mean"] > metrics[0]["eval/reward_mean"]  # same eval noise, brighter images
+def test_learning_toy_accuracy_rises(tmp_path):
+    # toy world, the module docstring's demo: held-out exact accuracy after 8 epochs rose by +0.146 (seed 42, this
+    # test: 0.438 -> 0.583), +0.125 (seed 1), +0.083 (seed 2); a run that changes nothing gains exactly 0
+    run_dir = run_script(SCRIPT, toy_flags(TOY_SD3, tmp_path) + ["--batch-size", "16", "--learning-rate", "3e-3",
+                                                                 "--epochs", "8"])
+    assert_accuracy_rose(read_metrics(run_dir), min_gain=0.05)
 
 
 @pytest.mark.parametrize("extra,message", [
