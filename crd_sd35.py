@@ -8,7 +8,7 @@ Toy-world CPU demo (~1 min; the held-out exact counting accuracy, `eval`, rises)
         --test-prompts tests/assets/toy_test.txt --reward tests/toy_rewards.py:counting_partial \
         --eval-reward tests/toy_rewards.py:counting --resolution 32 --max-sequence-length 24 --mixed-precision no \
         --eval-num-steps 10 --group-size 16 --prompts-per-epoch 6 --batch-size 16 --lora-rank 8 --lora-alpha 8 \
-        --kl-beta 0 --ema-decay 0 --num-train-timesteps 5 --learning-rate 3e-3 --epochs 6
+        --kl-beta 0 --ema-decay 0 --num-train-timesteps 5 --learning-rate 3e-3 --epochs 8
 """
 
 import glob

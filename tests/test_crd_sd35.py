@@ -10,8 +10,8 @@ import torch
 from crd_sd35 import (blend_snapshot, crd_implicit_reward, crd_kl, crd_loss, sigma_grid, snapshot_decay,
                        train_timestep_indices)
 from scripts_harness import (TOY_REWARD, assert_bad_input, assert_common_run, assert_eval_only_reproduces,
-                             assert_reward_rose, lora_tensors, read_metrics, run_script, tiny_sd35_flags)
-from scripts_harness import cut_back_copy
+                             lora_tensors, read_metrics, run_script, tiny_sd35_flags)
+from scripts_harness import TOY_SD3, assert_accuracy_rose, cut_back_copy, toy_flags
 
 SCRIPT = "crd_sd35.py"
 
@@ -253,13 +253,13 @@ def test_two_process_torchrun(tiny_sd3, tmp_path):
     assert [m["charts/old_decay"] for m in metrics] == pytest.approx([0.26, 0.27])
 
 
-def test_learning_brightness_rises(tiny_sd3, tmp_path):
-    # deterministic rollouts of a tiny random model barely differ; seeds 1, 2, 42 clear the bar by 1.7-1.9x here
-    run_dir = run_script(SCRIPT, flags(tiny_sd3, tmp_path, "--epochs", "16", "--kl-beta", "0", "--learning-rate",
-                                       "2e-2", "--ema-decay", "0", "--eval-every", "100", "--save-every", "100"))
+def test_learning_toy_accuracy_rises(tmp_path):
+    # toy world, the module docstring's demo: held-out exact accuracy after 8 epochs rose by +0.094 (seed 42, this
+    # test: 0.448 -> 0.542), +0.167 (seed 1), +0.156 (seed 2); a run that changes nothing gains exactly 0
+    run_dir = run_script(SCRIPT, toy_flags(TOY_SD3, tmp_path) + ["--batch-size", "16", "--num-train-timesteps", "5",
+                                                                 "--learning-rate", "3e-3", "--epochs", "8"])
     metrics = read_metrics(run_dir)
-    assert_reward_rose(metrics, window=3)
-    assert metrics[-1]["eval/final_reward_mean"] > metrics[0]["eval/reward_mean"]  # same eval noise, brighter images
+    assert_accuracy_rose(metrics, min_gain=0.05)
     # --kl-beta 0 skips the CFG teacher: no KL is measured, none is added
     assert all("losses/kl" not in m and "losses/old_kl" not in m and m["losses/kl_loss"] == 0 for m in metrics)
 
