@@ -12,7 +12,7 @@ GenEval: `--reward geneval --kl-beta 0.001`; PickScore: `--reward pickscore --kl
         --test-prompts tests/assets/toy_test.txt --reward tests/toy_rewards.py:counting_partial \
         --eval-reward tests/toy_rewards.py:counting --resolution 32 --max-sequence-length 24 --mixed-precision no \
         --num-steps 10 --eval-num-steps 10 --group-size 16 --prompts-per-epoch 6 --batch-size 16 --train-batch-size 8 \
-        --lora-rank 8 --lora-alpha 8 --kl-beta 0 --anchor-beta 0 --ema-decay 0 --learning-rate 3e-3 --epochs 6
+        --lora-rank 8 --lora-alpha 8 --kl-beta 0 --anchor-beta 0 --ema-decay 0 --sampler ode --learning-rate 1e-3 --epochs 8
 """
 
 import glob

@@ -8,9 +8,9 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, SASolverScheduler
 
 from awm_sd35 import awm_log_prob, awm_policy_loss, sa_solver_rollout, stratified_timestep_indices
-from scripts_harness import (TOY_REWARD, assert_bad_input, assert_common_run, assert_reward_rose, lora_tensors,
-                             read_metrics, run_script, tiny_sd35_flags)
-from scripts_harness import cut_back_copy
+from scripts_harness import (TOY_REWARD, assert_bad_input, assert_common_run, lora_tensors, read_metrics, run_script,
+                             tiny_sd35_flags)
+from scripts_harness import TOY_SD3, assert_accuracy_rose, cut_back_copy, toy_flags
 
 SCRIPT = "awm_sd35.py"
 FAST = ["--train-batch-size", "2", "--train-timesteps", "2"]  # tiny runs: 2 samples x 2 timesteps per forward
@@ -185,11 +185,14 @@ def test_euler_sde_sampler_runs(tiny_sd3, tmp_path):
     assert_common_run(run_dir, epochs=1)
 
 
-def test_learning_brightness_rises(tiny_sd3, tmp_path):
-    run_dir = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path) + FAST + [
-        "--epochs", "10", "--kl-beta", "0", "--anchor-beta", "0", "--learning-rate", "1e-2", "--eval-every", "100",
-        "--save-every", "100"])
-    assert_reward_rose(read_metrics(run_dir), window=2)
+def test_learning_toy_accuracy_rises(tmp_path):
+    # toy world, the module docstring's demo (ODE rollouts like the eval's; the SA-Solver SDE default learned less:
+    # 6 epochs at lr 3e-3 gained +0.000/+0.083/+0.021): held-out exact accuracy after 8 epochs rose by +0.135
+    # (seed 42, this test: 0.438 -> 0.573), +0.094 (seed 1), +0.094 (seed 2); a run that changes nothing gains exactly 0
+    run_dir = run_script(SCRIPT, toy_flags(TOY_SD3, tmp_path) + ["--batch-size", "16", "--train-batch-size", "8",
+                                                                 "--anchor-beta", "0", "--sampler", "ode",
+                                                                 "--learning-rate", "1e-3", "--epochs", "8"])
+    assert_accuracy_rose(read_metrics(run_dir), min_gain=0.05)
 
 
 @pytest.mark.parametrize("flags,message", [
