@@ -230,10 +230,10 @@ def test_two_process_torchrun(tiny_sd3, tmp_path):
 
 
 def test_learning_toy_accuracy_rises(tmp_path):
-    # Flow-GRPO-Fast on the toy world (window 3 of the 5 high-noise steps, CPS, no CFG), one on-policy update per
-    # epoch on all 96 images: the per-epoch policy gradient is mostly noise (two halves of an epoch give gradients
-    # with cosine ~0.0-0.25), so smaller steps over more epochs learn, larger lr (1e-2) collapses. Measured held-out
-    # gains at 10 epochs, seeds 42/1/2: +0.115/+0.083/+0.021 (a no-op gains exactly 0); 15 epochs: EPOCHS15.
+    # Flow-GRPO-Fast on the toy world (window 3 in the 5 high-noise steps, CPS, no CFG), one on-policy update per epoch
+    # on all 96 images (~50 s CPU). An epoch's policy gradient is mostly noise (its two halves' gradients have cosine
+    # ~0.0-0.25), so only small steps help: lr 1e-2 collapses. Held-out gains after 10 epochs, seeds 42/1/2:
+    # +0.115/+0.083/+0.021 (after 15: +0.125/+0.042/-0.010); a no-op gains exactly 0.
     run_dir = run_script(SCRIPT, toy_flags(TOY_SD3, tmp_path) + TOY_FAST + ["--epochs", "10"])
     assert_accuracy_rose(read_metrics(run_dir), min_gain=0.06)
 
