@@ -4,11 +4,12 @@ Paper: DanceGRPO (arXiv:2505.07818). Upstream: XueZeyue/DanceGRPO, fastvideo/tra
 Defaults = the 8-GPU LoRA recipe (scripts/finetune/finetune_flux_grpo_8gpus_lora.sh), rescaled to any GPU count:
     torchrun --nproc_per_node 8 dance_grpo_flux.py --train-prompts hpd_prompts.txt --test-prompts hpd_test.txt
 PickScore instead of HPS v2.1: add `--reward pickscore`. The paper's full fine-tuning (FSDP2, 16 GPUs): README.
-One-minute CPU demo on a tiny random model:
-    python tests/tiny.py /tmp/tiny && python dance_grpo_flux.py --model /tmp/tiny/tiny-flux \
-        --train-prompts tests/assets/ocr_prompts.txt --test-prompts tests/assets/ocr_prompts.txt \
-        --reward tests/toy_rewards.py:brightness --resolution 32 --num-steps 4 --eval-num-steps 4 --group-size 4 \
-        --prompts-per-epoch 2 --batch-size 4 --max-sequence-length 16 --mixed-precision no --epochs 2
+One-minute CPU demo on the committed toy world (prints held-out counting accuracy before and after):
+    python dance_grpo_flux.py --model tests/assets/toy-flux --train-prompts tests/assets/toy_train.txt \
+        --test-prompts tests/assets/toy_test.txt --reward tests/toy_rewards.py:counting_partial \
+        --eval-reward tests/toy_rewards.py:counting --resolution 32 --max-sequence-length 24 --mixed-precision no \
+        --num-steps 10 --eval-num-steps 10 --eval-batch-size 48 --group-size 16 --prompts-per-epoch 6 \
+        --batch-size 16 --updates-per-epoch 1 --lora-rank 8 --lora-alpha 8 --learning-rate 1e-3 --epochs 10
 """
 
 import glob

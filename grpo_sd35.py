@@ -4,10 +4,13 @@ Paper: Flow-GRPO (arXiv:2505.05470). Upstream: yifan123/flow_grpo, scripts/train
 Defaults = the paper's OCR run (§B.3; upstream config/grpo.py::general_ocr_sd3), rescaled to any GPU count:
     torchrun --nproc_per_node 8 grpo_sd35.py --train-prompts ocr/train.txt --test-prompts ocr/test.txt
 PickScore run: add `--reward pickscore --kl-beta 0.01` (and the pickscore prompt files).
-One-minute CPU demo on a tiny random model:
-    python tests/tiny.py /tmp/tiny && python grpo_sd35.py --model /tmp/tiny/tiny-sd3 --train-prompts tests/assets/ocr_prompts.txt \
-        --test-prompts tests/assets/ocr_prompts.txt --resolution 64 --num-steps 4 --eval-num-steps 4 --group-size 4 \
-        --prompts-per-epoch 2 --batch-size 4 --epochs 2
+One-minute CPU demo, Flow-GRPO-Fast on the committed toy world (prints held-out counting accuracy before and after):
+    python grpo_sd35.py --model tests/assets/toy-sd3 --train-prompts tests/assets/toy_train.txt \
+        --test-prompts tests/assets/toy_test.txt --reward tests/toy_rewards.py:counting_partial \
+        --eval-reward tests/toy_rewards.py:counting --resolution 32 --max-sequence-length 24 --mixed-precision no \
+        --eval-num-steps 10 --eval-batch-size 48 --group-size 16 --prompts-per-epoch 6 --batch-size 16 \
+        --updates-per-epoch 1 --lora-rank 8 --lora-alpha 8 --learning-rate 1e-3 --kl-beta 0 --ema-decay 0 \
+        --guidance-scale 1 --sde-window-size 3 --sde-window-range 0 5 --sde-kind cps --noise-level 0.8 --epochs 10
 """
 
 import glob

@@ -5,10 +5,13 @@ yellow, green, blue) and one shape (square, triangle), captioned like GenEval's 
 squares"). 6 of the 24 (count, color, shape) combinations are held out as test prompts. tests/toy_rewards.py:counting
 scores an image 1 when the detector finds exactly what the prompt asks for.
 
-    python tests/toy_world.py OUT_DIR     # OUT_DIR/toy-sd3, OUT_DIR/toy-flux from scratch (13 min, 2 busy cores)
+    python tests/toy_world.py OUT_DIR     # OUT_DIR/toy-sd3, OUT_DIR/toy-flux from scratch (see below for the time)
 
 The committed copies live in tests/assets/toy-sd3 and tests/assets/toy-flux (prompt files next to them), so tests,
-benchmarks and the demo never train. Both pipelines reuse tests/tiny.py's random text encoders and tokenizers (CLIP
+benchmarks and the demo never train. Time, 1 thread on the shared 2-core dev box: VAE 1 min, SD3 (1,500 steps at
+batch 64) 9-17 min, FLUX (4,000 steps) 8-13 min: about 15 min on 2 idle cores, 30 min when busy. CPU training is not
+bit-reproducible across thread counts, and held-out accuracy varies between builds: two SD3 builds gave 0.31 and 0.41
+(the committed one; it was trained on the first build's VAE), FLUX 0.26 (build eval, 96 samples). Both pipelines reuse tests/tiny.py's random text encoders and tokenizers (CLIP
 tokenizers cut at 24 tokens: prompts are short), share one VAE trained as an autoencoder (4 latent channels, 4x down),
 and each has a ~0.5M-parameter transformer trained with rectified flow (x_s = (1-s) x0 + s eps, target eps - x0, s
 drawn on the shift-3 schedule the scripts sample with, 10% empty prompts so CFG works). Pass `--max-sequence-length 24`
@@ -203,7 +206,7 @@ def tokenizers(pad_token="<|endoftext|>"):
     return tok
 
 
-def build(out_dir: str, vae_steps: int = 900, transformer_steps: int = 1500, flux_steps: int = 2000, batch: int = 64,
+def build(out_dir: str, vae_steps: int = 900, transformer_steps: int = 1500, flux_steps: int = 4000, batch: int = 64,
           lr: float = 2e-3, log=print):
     """Train the VAE, then SD3 and FLUX transformers; save OUT_DIR/toy-sd3 and OUT_DIR/toy-flux. Returns their paths."""
     os.makedirs(out_dir, exist_ok=True)

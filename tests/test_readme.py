@@ -1,0 +1,44 @@
+"""README.md's demo block and the scripts' docstring demos are the same commands, and every one is accepted up to the
+model load (the learning tests run the same recipes to completion)."""
+
+import re
+import shlex
+
+import pytest
+
+from scripts_harness import REPO, ModelLoaded, assert_bad_input
+
+SCRIPTS = ["grpo_sd35.py", "nft_sd35.py", "awm_sd35.py", "crd_sd35.py", "dance_grpo_flux.py"]
+
+
+def commands(text: str) -> list[list[str]]:
+    """`python X.py ...` commands in a text, backslash continuations joined, as argv lists."""
+    joined = re.sub(r"\\\n\s*", " ", text)
+    return [shlex.split(line.strip())[1:] for line in joined.splitlines() if line.strip().startswith("python ")
+            and ".py" in line and not line.strip().startswith("python tests/")]
+
+
+def readme_demos() -> dict[str, list[str]]:
+    text = (REPO / "README.md").read_text()
+    block = text.split("CPU demo", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    return {argv[0]: argv[1:] for argv in commands(block)}
+
+
+def docstring_demo(script: str) -> list[str]:
+    doc = (REPO / script).read_text().split('"""')[1]
+    (argv,) = [a for a in commands(doc.split("CPU demo", 1)[1]) if a[0] == script]
+    return argv[1:]
+
+
+def test_readme_has_one_demo_per_script():
+    assert sorted(readme_demos()) == sorted(SCRIPTS)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_docstring_demo_is_the_readmes_and_is_accepted(script, tmp_path):
+    flags = docstring_demo(script)
+    assert flags == readme_demos()[script]
+    assert "tests/assets/toy-" in " ".join(flags)  # the toy world, not random weights
+    flags = flags + ["--output-dir", str(tmp_path / "out")]  # the last --output-dir wins
+    with pytest.raises(ModelLoaded):  # every flag is valid: the script gets as far as loading the model
+        assert_bad_input(script, flags, "never reached")
