@@ -188,7 +188,7 @@ def test_euler_sde_sampler_runs(tiny_sd3, tmp_path):
 def test_learning_toy_accuracy_rises(tmp_path):
     # toy world, the module docstring's demo: held-out exact accuracy after 8 epochs rose by +0.135 (seed 42, this
     # test: 0.438 -> 0.573), +0.094 (seed 1), +0.094 (seed 2); a run that changes nothing gains exactly 0. ODE
-    # rollouts, like the eval's: with the default SA-Solver SDE rollouts the same run gains +0.010 / -0.010 (seeds 42, 2)
+    # rollouts, like the eval's: with the default SA-Solver SDE rollouts the same run gains +0.010, -0.010 (seeds 42, 2)
     run_dir = run_script(SCRIPT, toy_flags(TOY_SD3, tmp_path) + ["--batch-size", "16", "--train-batch-size", "8",
                                                                  "--anchor-beta", "0", "--sampler", "ode",
                                                                  "--learning-rate", "1e-3", "--epochs", "8"])
