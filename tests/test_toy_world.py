@@ -91,3 +91,19 @@ def test_committed_pipelines_are_trained_but_leave_room(kind, guidance, low, hig
                   generator=torch.Generator().manual_seed(0), **({"guidance_scale": guidance} if guidance else {})).images
     accuracy = counting(images, prompts, None)[0].mean().item()
     assert low <= accuracy <= high, accuracy
+
+
+def test_build_script_writes_pipelines_the_scripts_load(tmp_path):
+    """`python tests/toy_world.py OUT` end to end at 2 steps per model: both pipelines load like the committed ones,
+    with the pooled-text path zeroed (the recipe's point) and the VAE's latent statistics in its config."""
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+
+    from toy_world import build
+
+    logs = []
+    sd3, flux = build(str(tmp_path), vae_steps=2, transformer_steps=2, flux_steps=2, batch=2, pool=16, log=logs.append)
+    assert any("held-out accuracy" in line for line in logs)
+    for cls, path in ((StableDiffusion3Pipeline, sd3), (FluxPipeline, flux)):
+        pipe = cls.from_pretrained(path)
+        assert all((p == 0).all() for p in pipe.transformer.time_text_embed.text_embedder.parameters())
+        assert pipe.vae.config.scaling_factor != 1.0

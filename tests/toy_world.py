@@ -207,7 +207,7 @@ def tokenizers(pad_token="<|endoftext|>"):
 
 
 def build(out_dir: str, vae_steps: int = 900, transformer_steps: int = 1500, flux_steps: int = 4000, batch: int = 64,
-          lr: float = 2e-3, log=print):
+          lr: float = 2e-3, pool: int = 8192, log=print):
     """Train the VAE, then SD3 and FLUX transformers; save OUT_DIR/toy-sd3 and OUT_DIR/toy-flux. Returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.time()
@@ -239,7 +239,7 @@ def build(out_dir: str, vae_steps: int = 900, transformer_steps: int = 1500, flu
         embeds, _, pooled, _ = pipe.encode_prompt(train + [""] + test, None, None, do_classifier_free_guidance=False,
                                                   max_sequence_length=MAX_SEQUENCE_LENGTH)
     t1 = time.time()
-    train_transformer(transformer, sd3_forward, embeds, pooled, vae, transformer_steps, batch, lr, log, "sd3")
+    train_transformer(transformer, sd3_forward, embeds, pooled, vae, transformer_steps, batch, lr, log, "sd3", pool)
     n = len(train) + 1
     acc = accuracy(transformer, sd3_forward, embeds[n:], pooled[n:], (embeds[n - 1], pooled[n - 1]), vae, test)
     log(f"sd3: held-out accuracy (10 Euler steps, CFG 4.5) {acc:.3f}")
@@ -268,7 +268,7 @@ def build(out_dir: str, vae_steps: int = 900, transformer_steps: int = 1500, flu
     img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
     t1 = time.time()
     forward = flux_forward_fn(img_ids, text_ids)
-    train_transformer(transformer, forward, embeds, pooled, vae, flux_steps, batch, lr, log, "flux")
+    train_transformer(transformer, forward, embeds, pooled, vae, flux_steps, batch, lr, log, "flux", pool)
     acc = accuracy(transformer, forward, embeds[n:], pooled[n:], (embeds[n - 1], pooled[n - 1]), vae, test,
                    guidance=1.0)
     log(f"flux: held-out accuracy (10 Euler steps, no CFG) {acc:.3f}")
