@@ -142,7 +142,8 @@ def train_transformer(transformer, forward, embeds, pooled, vae, steps: int, bat
     pool_latents = torch.cat([encode_latents(vae, render_batch([train[i] for i in pool_labels[k:k + 256]],
                                                                range(k, min(k + 256, pool))))
                               for k in range(0, pool, 256)])
-    opt = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
     rng, gen = np.random.default_rng(1), torch.Generator().manual_seed(1)
     transformer.train()
@@ -158,7 +159,7 @@ def train_transformer(transformer, forward, embeds, pooled, vae, steps: int, bat
         loss = (v - (eps - x0)).pow(2).mean()
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in transformer.parameters() if p.requires_grad], 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         if step % 200 == 0 or step == steps - 1:
