@@ -407,8 +407,9 @@ def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where,
 
 def save_checkpoint(path, transformer, lora_params, ema_params, snapshots, optimizer,
                     next_epoch, global_step, args):
-    """Atomic (a hidden temporary directory, renamed). `lora/`, `ema_lora/`: diffusers LoRAs
-    with their peft config; state.pt resumes (`extra`: the algorithm's LoRA snapshots)."""
+    """Atomic: written to a hidden temporary directory (which --resume refuses and `epoch_*`
+    never matches), then renamed. `lora/`, `ema_lora/`: diffusers LoRAs with their peft
+    config; state.pt resumes (`extra`: the algorithm's LoRA snapshots)."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     config = transformer.peft_config["default"].to_dict()
