@@ -1,14 +1,34 @@
-"""Centered Reward Distillation (CRD, arXiv:2603.14128) on SD3.5 Medium: forward-process RL that regresses a centered
-implicit reward onto the centered external reward. Upstream: the paper author's port, X-GenGroup/Flow-Factory
-trainers/crd.py (CRDTrainer). Rollouts from a "sampling" LoRA snapshot; r_theta = flow-matching-error gap of the
-current LoRA to an "old" snapshot; KL to the base model with CFG. Defaults = paper Table 3 (OCR), port's PR #121:
-    torchrun --nproc_per_node 8 crd_sd35.py --kl-beta 0.1 --train-prompts ocr/train.txt --test-prompts ocr/test.txt
-Toy-world CPU demo (~1 min; the held-out exact counting accuracy, `eval`, rises):
+"""Centered Reward Distillation on Stable Diffusion 3.5 Medium: the LoRA's implicit reward,
+centered per prompt, regresses onto the centered external reward.
+
+Paper: Centered Reward Distillation (CRD), https://arxiv.org/abs/2603.14128
+
+Forward-process RL: ODE rollouts of a "sampling" LoRA snapshot keep only the final latents,
+training re-noises them; the implicit reward is the LoRA's flow-matching-error gap to an "old"
+snapshot; a KL holds the LoRA near the base model with CFG. The defaults are the paper's OCR
+run (Table 3, as upstream's PR #121 maps it), rescaled to any GPU count:
+    torchrun --nproc_per_node 8 crd_sd35.py --kl-beta 0.1 --train-prompts ocr/train.txt \
+        --test-prompts ocr/test.txt
+
+One-minute CPU demo on the committed toy world (the held-out exact counting accuracy, `eval`,
+rises):
     python crd_sd35.py --model tests/assets/toy-sd3 --train-prompts tests/assets/toy_train.txt \
         --test-prompts tests/assets/toy_test.txt --reward tests/toy_rewards.py:counting_partial \
-        --eval-reward tests/toy_rewards.py:counting --resolution 32 --max-sequence-length 24 --mixed-precision no \
-        --eval-num-steps 10 --group-size 16 --prompts-per-epoch 6 --batch-size 16 --lora-rank 8 --lora-alpha 8 \
-        --kl-beta 0 --ema-decay 0 --num-train-timesteps 5 --learning-rate 3e-3 --epochs 8
+        --eval-reward tests/toy_rewards.py:counting --resolution 32 --max-sequence-length 24 \
+        --mixed-precision no --eval-num-steps 10 --group-size 16 --prompts-per-epoch 6 \
+        --batch-size 16 --lora-rank 8 --lora-alpha 8 --kl-beta 0 --ema-decay 0 \
+        --num-train-timesteps 5 --learning-rate 3e-3 --epochs 8
+
+Provenance: X-GenGroup/Flow-Factory@a0b2bc5, trainers/crd.py (by the paper's first author)
+unless named.
+    group_advantages        advantage/advantage_processor.py (global_std)
+    compute_advantages      GDPO, arXiv:2601.05242
+    snapshot_decay          compute_decay; blend_snapshot: _blend_named_params
+    sigma_grid              set_scheduler_timesteps (the grid handed to the SD3 scheduler)
+    train_timestep_indices  utils/noise_schedule.py, TimeSampler.discrete
+    crd_implicit_reward     optimize(), step 4 (adaptive_logp)
+    crd_loss                _compute_crd_loss and optimize(), steps 5-7
+    the EMA                 start(): ema_step(epoch), once per epoch
 """
 
 import glob
@@ -43,249 +63,299 @@ from sde import sde_step, shift_sigmas
 
 @dataclass
 class Args:
+    # Experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of this experiment (wandb group and run-directory prefix)"""
+    """name of the experiment (wandb group, run-directory prefix)"""
     seed: int = 42
-    """seed of LoRA init and prompt draws (identical on all ranks); sampling noise is seeded per rank and epoch"""
+    """seed of the LoRA init and prompt draws; noise is seeded per (seed, epoch, rank)"""
     track: bool = False
     """log to Weights & Biases (stdout and metrics.jsonl are always written)"""
     wandb_project: str = "flowrl"
     """wandb project"""
     wandb_entity: str | None = None
-    """wandb entity; None = your default entity"""
+    """wandb entity (None: your default one)"""
     output_dir: str = "runs"
-    """runs are written to OUTPUT_DIR/RUN_NAME (metrics, eval sheets, checkpoints)"""
+    """runs go to OUTPUT_DIR/RUN_NAME (metrics, eval sheets, checkpoints)"""
     resume: str | None = None
-    """checkpoint directory to continue from (continues at the epoch after it)"""
+    """checkpoint directory to continue from"""
     eval_only: bool = False
-    """only evaluate (the EMA weights of --resume, or the base model) on the test prompts, then exit"""
+    """only evaluate the EMA weights of --resume (or the base model), then exit"""
+    # Model
     model: str = "stabilityai/stable-diffusion-3.5-medium"
     """hub id or local path of a diffusers StableDiffusion3Pipeline"""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
-    """dtype of the frozen text encoders and transformer base, with autocast (LoRA and VAE stay fp32); no = all fp32"""
+    """dtype of the frozen weights, with autocast (LoRA and VAE stay fp32)"""
     gradient_checkpointing: bool = False
-    """recompute transformer activations in the backward pass (less memory, ~30% slower)"""
+    """recompute activations in the backward pass (less memory, ~30% slower)"""
     lora_rank: int = 32
     """LoRA rank on the 8 joint-attention projections of every block"""
     lora_alpha: int = 64
     """LoRA alpha (scale = alpha / rank)"""
-    max_sequence_length: int = 256
-    """T5 tokens per prompt (the port: diffusers' default 256)"""
+    # Data and reward
     train_prompts: str = "prompts/train.txt"
-    """training prompts: one per line, or JSONL with a `prompt` field (other fields are passed to the reward)"""
+    """one prompt per line, or JSONL with a `prompt` field (the rest goes to the reward)"""
     test_prompts: str = "prompts/test.txt"
     """eval prompts, same format"""
     reward: str = "ocr"
-    """a rewards.py name, a weighted list `ocr=1.0,pickscore=0.5`, or `path/to/file.py:function`"""
+    """a rewards.py name, a weighted list `ocr=1.0,pickscore=0.5`, or `file.py:function`"""
     eval_reward: str | None = None
-    """reward for eval; None = the training reward"""
+    """reward of eval (None: the training reward)"""
     advantage_aggregation: Literal["sum", "gdpo"] = "sum"
-    """several rewards: normalise their weighted sum (upstream), or each within its group then sum (GDPO, arXiv:2601.05242)"""
+    """several rewards: normalise their weighted sum, or each one, then sum (GDPO)"""
+    per_group_std: bool = False
+    """divide advantages by their group's std, not the epoch's (upstream: the epoch's)"""
+    # Sampling
     resolution: int = 512
     """image height and width in pixels"""
-    num_steps: int = 10
-    """Euler ODE steps per rollout on `sigma_grid` (the grid, but its final 0, is also the training timestep grid)"""
     eval_num_steps: int = 40
-    """Euler ODE steps for eval"""
-    guidance_scale: float = 1.0
-    """classifier-free guidance scale in rollouts, the trained forward and eval (CRD is CFG-free: 1.0)"""
+    """Euler ODE steps of eval"""
+    # Batch sizes (global ones do not depend on the GPU count)
     group_size: int = 24
-    """images per prompt (the centering group)"""
-    prompts_per_epoch: int = 48
-    """prompts (groups) per epoch, over all GPUs"""
-    batch_size: int = 8
-    """per-GPU micro-batch in rollout and training"""
+    """images per prompt (a group: its mean reward is the advantage baseline)"""
     eval_batch_size: int = 8
     """per-GPU eval batch"""
-    updates_per_epoch: int = 2
-    """optimizer steps per epoch"""
     epochs: int = 1000
-    """epochs to train (each = sample, score, update)"""
+    """epochs to train (each: sample, score, update)"""
+    # Optimisation
     learning_rate: float = 3e-4
     """AdamW learning rate (constant)"""
     weight_decay: float = 1e-4
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
-    ema_decay: float = 0.995
-    """EMA decay (power warm-up min(d, (1+n)/(10+n))) of the LoRA used for eval and the saved `ema` LoRA (0 disables)"""
-    ema_every: int = 10
-    """update the EMA once every N epochs, n = epoch (the port); 0 = after every optimizer step, n = optimizer steps"""
+    # Logging, eval, checkpoints
+    eval_sheet_size: int = 16
+    """images of the first eval prompts in the contact sheet"""
+    # Algorithm-specific arguments (defaults: the paper's OCR run, Table 3)
+    max_sequence_length: int = 256
+    """T5 tokens per prompt"""
+    num_steps: int = 10
+    """Euler ODE steps per rollout (their sigmas are also the training timesteps)"""
+    guidance_scale: float = 1.0
+    """CFG scale of rollouts, the trained forward and eval (CRD trains without CFG: 1)"""
+    prompts_per_epoch: int = 48
+    """prompts (groups) per epoch, over all GPUs"""
+    batch_size: int = 8
+    """per-GPU micro-batch of rollout and training"""
+    updates_per_epoch: int = 2
+    """optimizer steps per epoch"""
+    num_train_timesteps: int = 20
+    """timesteps per micro-batch (all its samples share each), stratified over the grid"""
+    timestep_range: float = 0.99
+    """train on the rollout grid's sigmas >= 1 - timestep_range"""
+    adv_clip: float = 5.0
+    """advantages are clipped to +-adv_clip, then mapped to [0, 1] (see crd_loss)"""
     crd_beta: float = 1.0
     """scale of the implicit reward in the regression crd_beta (r - r_mean) ~ (a - a_mean)"""
     weight_temp: float = -1.0
-    """centering weights: < 0 uniform; > 0 softmax(+-a / T), two centerings averaged; 0 hard pools a >< 0.5"""
+    """centering: < 0 uniform; > 0 softmax(+-a / T); 0 hard pools, softmax(a) in a > 0.5, a < 0.5"""
     center_by: Literal["group", "batch"] = "group"
-    """centering set: each prompt's group in the gathered micro-batch (cancels log Z(c)), or all of it (the port)"""
+    """centering set: each prompt's part of the gathered micro-batch, or all of it (upstream)"""
     adaptive_logp: bool = True
-    """divide each squared velocity error by its detached per-sample mean |error| (self-normalised ELBO gap)"""
+    """divide each squared velocity error by its detached per-sample mean |error|"""
     old_decay: str = "0-0.25-0.005-0.999"
-    """old snapshot (implicit-reward reference) schedule "S-v0-k-vmax" over optimizer steps (see snapshot_decay)"""
+    """schedule "S-v0-k-vmax" of the old snapshot, the implicit reward's reference"""
     sampling_decay: str = "75-0.0-0.0075-0.999"
-    """sampling snapshot (generates rollouts) schedule, same format (decay <= 0: hard copy, on-policy)"""
+    """schedule of the sampling snapshot, which rolls out (decay <= 0: a copy, on-policy)"""
     kl_beta: float = 0.1
-    """weight of the per-sample KL mean((v_theta - v_teacher)^2) to the base model (LoRA disabled) with CFG kl_cfg"""
+    """weight of the KL to the base model with CFG --kl-cfg (see crd_loss)"""
     kl_cfg: float = 4.5
     """CFG scale of the KL teacher (the base model as it is used at inference)"""
     reward_adaptive_kl: bool = True
-    """weight each sample's KL by c_min + a (1 - c_min), c_min = 1e-4 / kl_beta: good samples stay near the teacher"""
-    num_train_timesteps: int = 20
-    """training timesteps per micro-batch (shared by its samples), continuous strata over the eligible grid points"""
-    timestep_range: float = 0.99
-    """train on rollout-grid sigmas >= 1 - timestep_range"""
-    adv_clip: float = 5.0
-    """advantages are clipped to +-adv_clip, then mapped to a = clip(A) / (2 adv_clip) + 0.5 in [0, 1]"""
-    per_group_std: bool = False
-    """normalise advantages by each group's std instead of the epoch's global std (upstream default: global)"""
+    """weight each sample's KL by its advantage mapped to [0, 1] (see crd_loss)"""
+    ema_decay: float = 0.995
+    """EMA decay of the LoRA used for eval and the saved `ema_lora` (0: off)"""
+    ema_every: int = 10
+    """the EMA moves every N epochs (warm-up by epochs); 0: after every optimizer step"""
     eval_every: int = 20
     """evaluate every N epochs (and after the last)"""
-    eval_sheet_size: int = 16
-    """images of the first eval prompts in the contact sheet"""
     save_every: int = 20
     """checkpoint every N epochs (and after the last)"""
 
 
+# The joint-attention projections of every MMDiT block, as upstream
 LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
-                "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]  # the 8 joint-attention projections
-STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses a checkpoint saved with other values
+                "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]
+STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other values of these
 
 
-# ---- Algorithm: advantages, snapshot schedules, implicit reward, centered loss, KL ----------------------------------
-def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, per_group_std: bool, eps: float = 1e-4):
-    """(reward - its group's mean) / (std + eps), std over all rewards (upstream `global_std`) or within the group;
-    rewards, group_ids: (N,). Population std as upstream's np.std. A group whose rewards are all equal gets zeros."""
-    rewards = rewards.double()
-    n_groups = int(group_ids.max()) + 1
-    count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, torch.ones_like(rewards))
-    mean = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, rewards) / count
-    centered = rewards - mean[group_ids]
-    if per_group_std:
-        var = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_ids, centered**2) / count
-        std = var.sqrt()[group_ids]
-    else:
-        std = rewards.std(unbiased=False)
-    return (centered / (std + eps)).float()
-
-
-def compute_advantages(rewards: torch.Tensor, components: dict[str, torch.Tensor], weights: dict[str, float],
-                       group_ids: torch.Tensor, aggregation: str, per_group_std: bool) -> torch.Tensor:
-    """Advantages (N,) of the weighted reward `rewards`; with `gdpo`, each component is normalised within its group,
-    weighted and summed, then the sum is normalised over the batch (GDPO, arXiv:2601.05242)."""
-    if aggregation == "sum" or len(components) <= 1:
-        return group_advantages(rewards, group_ids, per_group_std)
-    summed = sum(w * group_advantages(components[k], group_ids, per_group_std=True) for k, w in weights.items())
-    return (summed - summed.mean()) / (summed.std(unbiased=False) + 1e-4)
-
-
+# ALGO LOGIC: snapshot schedules, the timestep grid, the implicit reward, the CRD loss
 def snapshot_decay(step: int, spec: str) -> float:
-    """"S-v0-k-vmax" -> decay after `step` optimizer steps: v0 if step < S, else min(v0 + (step - S) k, vmax)."""
+    """The decay after `step` optimizer steps of a schedule "S-v0-k-vmax": v0 before step S,
+    then min(v0 + (step - S) k, vmax)."""
     number = r"(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"  # 1e-3 has a dash of its own
     match = re.fullmatch(rf"(\d+)-{number}-{number}-{number}", spec.strip())
     if match is None:
-        raise ValueError(f"decay schedule {spec!r} is not 'S-v0-k-vmax' (S an integer), e.g. '75-0.0-0.0075-0.999'")
+        raise ValueError(f"decay schedule {spec!r} is not 'S-v0-k-vmax' (S an integer), "
+                         "e.g. '75-0.0-0.0075-0.999'")
     start, v0, slope, vmax = int(match[1]), float(match[2]), float(match[3]), float(match[4])
-    return v0 if step < start else min(v0 + (step - start) * slope, vmax)
+    if step < start:
+        return v0
+    return min(v0 + (step - start) * slope, vmax)
 
 
-def blend_snapshot(snapshot: list[torch.Tensor], params: list[torch.Tensor], decay: float):
-    """snapshot <- decay snapshot + (1 - decay) current, in place; decay <= 0 copies, decay >= 1 freezes."""
-    decay = min(max(decay, 0.0), 1.0)  # exact in floating point at 0 (x 0 + p) and 1 (s + 0 p)
-    for s, p in zip(snapshot, params):
-        s.mul_(decay).add_(p.detach(), alpha=1 - decay)
+def blend_snapshot(snapshot, params, decay: float):
+    """snapshot <- decay snapshot + (1 - decay) params, in place: decay <= 0 copies the params,
+    decay >= 1 keeps the snapshot, both exactly (s x 0 + p, s + 0 p)."""
+    decay = min(max(decay, 0.0), 1.0)
+    for copy, p in zip(snapshot, params):
+        copy.mul_(decay).add_(p.detach(), alpha=1 - decay)
 
 
 def sigma_grid(num_steps: int, shift: float) -> torch.Tensor:
-    """(T+1,) the port's grid: SD3's shift of linspace(1, 1/T, T), then 0 (Flow-Factory set_scheduler_timesteps)."""
+    """(T+1,) upstream's rollout grid: SD3's shift of linspace(1, 1/T, T), then 0."""
     u = torch.linspace(1, 1 / num_steps, num_steps, dtype=torch.float64)
     return torch.cat([shift_sigmas(u, shift), u.new_zeros(1)]).float()
 
 
-def train_timestep_indices(num_eligible: int, num_train: int, generator: torch.Generator) -> torch.Tensor:
-    """(num_train,) indices into the eligible grid, stratified: draw j falls in [j n / T, (j + 1) n / T)."""
-    u = torch.rand(num_train, generator=generator, device=generator.device)
-    return ((torch.arange(num_train, device=u.device) + u) * num_eligible / num_train).floor().long()
+def train_timestep_indices(num_eligible: int, num_train: int, generator) -> torch.Tensor:
+    """(num_train,) indices into the eligible grid points, stratified: draw j of T falls in
+    [j n / T, (j + 1) n / T), n = num_eligible."""
+    offsets = torch.rand(num_train, generator=generator, device=generator.device)
+    strata = torch.arange(num_train, device=offsets.device) + offsets
+    return (strata * num_eligible / num_train).floor().long()
 
 
 def crd_implicit_reward(v, v_old, target, adaptive: bool = True) -> torch.Tensor:
-    """Per-sample implicit reward (B,) -mean(e^2 / w - e_old^2 / w_old); e = v - target, target = eps - x0, all
-    (B, ...); w = detached per-sample mean |e| clamped >= 1e-5 if `adaptive`, else 1. Grad through v (port: step 4)."""
+    """The implicit reward (B,): -mean(err^2 / scale - err_old^2 / scale_old), err = v - target
+    and err_old = v_old - target the flow-matching errors (B, C, h, w) of the LoRA and of the
+    old snapshot, a per-timestep estimate of log p(x0) - log p_old(x0): 0 while they agree.
+    adaptive: scale is the detached per-sample mean |err| (>= 1e-5), which weighs every
+    timestep alike, as DiffusionNFT does; else 1. The gradient flows through v only."""
     dims = tuple(range(1, v.dim()))
-    err, err_old = v.double() - target.double(), v_old.detach().double() - target.double()
-    w, w_old = (e.detach().abs().mean(dims, True).clamp_min(1e-5) if adaptive else 1.0 for e in (err, err_old))  # port
-    return -(err**2 / w - err_old**2 / w_old).mean(dim=dims).float()
+    err = v.double() - target.double()
+    err_old = v_old.detach().double() - target.double()
+    scale, scale_old = 1.0, 1.0
+    if adaptive:
+        scale = err.detach().abs().mean(dims, True).clamp_min(1e-5)
+        scale_old = err_old.detach().abs().mean(dims, True).clamp_min(1e-5)
+    return -(err**2 / scale - err_old**2 / scale_old).mean(dim=dims).float()
 
 
-def crd_loss(r_theta, a, group_ids, crd_beta: float = 1.0, weight_temp: float = -1.0, adv_clip: float = 5.0):
-    """Centered reward distillation loss (scalar). r_theta, a (mapped to [0, 1]), group_ids: (N,); equal ids form a
-    centering set. Per set and weight vector p: a_bar = sum p a, r_bar = stopgrad(sum p r), d = crd_beta (r - r_bar)
-    - (a - a_bar); loss = mean_N d^2 (mean over the p's) x adv_clip / crd_beta (port: _compute_crd_loss)."""
+def centering_weights(targets, weight_temp: float) -> list[torch.Tensor]:
+    """The weightings (n,) of one centering set's means; crd_loss averages over them. The three
+    modes of --weight-temp T, by its sign:"""
+    uniform = torch.full_like(targets, 1 / len(targets))
+    if weight_temp < 0:  # uniform: the plain mean
+        return [uniform]
+    if weight_temp > 0:  # one centering near the good samples, one near the bad ones
+        return [torch.softmax(targets / weight_temp, dim=0),
+                torch.softmax(-targets / weight_temp, dim=0)]
+    # T == 0, "hard pools": softmax(a) over the good samples (a > 0.5: advantage > 0), and over
+    # the bad ones (a < 0.5); an empty pool is uniform. Upstream splits the mapped a at 0
+    # instead, which every a exceeds.
+    weightings = []
+    for pool in (targets > 0.5, targets < 0.5):
+        if pool.any():
+            weightings.append(torch.softmax(targets.masked_fill(~pool, -math.inf), dim=0))
+        else:
+            weightings.append(uniform)
+    return weightings
+
+
+def crd_loss(r_local, r_gathered, advantages, group_ids, rank, world, v, v_teacher,
+             accum_steps, crd_beta, weight_temp, adv_clip, kl_beta, reward_adaptive_kl):
+    """One micro-step's loss; returns (loss to backward, policy loss, KL loss, KL (B,) or None).
+
+    The N = W*B samples of all ranks' micro-batches share the micro-step's timestep.
+    r_gathered, advantages, group_ids: (N,) in rank order; r_local: (B,) this rank's implicit
+    rewards with their gradient; v, v_teacher: (B, C, h, w) (v_teacher None: no KL).
+    - targets a = clip(A, +-adv_clip) / (2 adv_clip) + 0.5: the advantages mapped to [0, 1];
+    - the residuals crd_beta (r - r_mean) - (a - a_mean) within each centering set (equal
+      group_ids: a prompt), r_mean detached: the optimum's reward beta log(p / p_ref) +
+      beta log Z(c) has an unknown log Z(c) per prompt, which centering cancels;
+    - policy loss: the mean squared residual over the N, x adv_clip / crd_beta: while the
+      LoRA equals the old snapshot (r = 0), its gradient per r_i is -(clip(A_i) - their mean)
+      / N, advantage-weighted flow matching whatever crd_beta and adv_clip;
+    - x world: only this rank's B of the N rewards carry gradient (the others are copies) and
+      optimizer_step averages the ranks' gradients: the average is then the gradient of the
+      whole micro-step's loss;
+    - + kl_beta mean(w mean((v - v_teacher)^2)), w = c + a (1 - c), c = 1e-4 / kl_beta with
+      reward_adaptive_kl, else 1: good samples stay near the CFG teacher, bad ones may leave;
+    - / accum_steps: an optimizer step adds up accum_steps micro-steps' gradients."""
+    targets = (advantages.clamp(-adv_clip, adv_clip) / (2 * adv_clip) + 0.5).to(v.device)
+    mine = torch.arange(rank * len(r_local), (rank + 1) * len(r_local), device=v.device)
+    r_theta = r_gathered.index_copy(0, mine, r_local)  # (N,)
     total = r_theta.new_zeros(())
-    for g in group_ids.unique():
-        r, ag = r_theta[group_ids == g], a[group_ids == g].to(r_theta.dtype)
-        uniform = torch.full_like(ag, 1 / len(ag))
-        if weight_temp != 0:  # uniform (< 0), or two softmax centerings (> 0)
-            weights = [uniform] if weight_temp < 0 else [torch.softmax(x / weight_temp, dim=0) for x in (ag, -ag)]
-        else:  # hard pools split at a = 0.5 (the raw advantage's sign); the port splits the mapped a at 0 (degenerate)
-            weights = [torch.softmax(ag.masked_fill(~pool, -math.inf), dim=0) if pool.any() else uniform
-                       for pool in (ag > 0.5, ag < 0.5)]
-        for p in weights:
-            d = crd_beta * (r - (p * r).sum().detach()) - (ag - (p * ag).sum())
-            total = total + (d**2).sum() / len(weights)
-    return total / len(r_theta) * adv_clip / crd_beta
+    for group in group_ids.unique():
+        r_set, a_set = r_theta[group_ids == group], targets[group_ids == group]
+        weightings = centering_weights(a_set, weight_temp)
+        for weights in weightings:
+            r_mean = (weights * r_set).sum().detach()
+            a_mean = (weights * a_set).sum()
+            residuals = crd_beta * (r_set - r_mean) - (a_set - a_mean)
+            total = total + (residuals**2).sum() / len(weightings)
+    policy_loss = total / len(r_theta) * adv_clip / crd_beta
+    kl_loss, kl = torch.zeros((), device=v.device), None
+    if v_teacher is not None:
+        kl = ((v - v_teacher) ** 2).mean(dim=tuple(range(1, v.dim())))  # (B,)
+        weight = 1.0
+        if reward_adaptive_kl:
+            floor = 1e-4 / kl_beta
+            weight = floor + targets[mine] * (1 - floor)
+        kl_loss = kl_beta * (weight * kl).mean()
+    return (world * policy_loss + kl_loss) / accum_steps, policy_loss, kl_loss, kl
 
 
-def crd_kl(v, v_teacher, a, kl_beta: float, reward_adaptive: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kl_beta * weighted mean of per-sample KL, per-sample KL (B,)), KL = mean((v - v_teacher)^2); the weight is
-    c_min + a (1 - c_min) with c_min = 1e-4 / kl_beta when reward-adaptive, else 1 (port: step 7)."""
-    kl = ((v - v_teacher.detach()) ** 2).mean(dim=tuple(range(1, v.dim())))  # (B,)
-    weight = 1e-4 / kl_beta + a * (1 - 1e-4 / kl_beta) if reward_adaptive and kl_beta > 0 else 1.0  # port's c_min
-    return kl_beta * (weight * kl).mean(), kl.detach()
-
-
-# ---- Boilerplate shared verbatim by the SD3.5 scripts: input checks, prompts, model, rollout, decode, eval, checkpoint
-def fail(msg: str):
-    raise SystemExit(f"error: {msg}")
+# TRY NOT TO MODIFY: helpers shared verbatim by the SD3.5 scripts
+def fail(message: str):
+    raise SystemExit(f"error: {message}")
 
 
 def check_args(args) -> dict | None:
-    """Checks that need no weights (sizes, config files, wandb login, --resume); returns the checkpoint's state."""
-    bad = [n for n in ("epochs", "batch_size", "eval_batch_size", "train_batch_size", "updates_per_epoch", "eval_every",
-                       "save_every", "group_size", "prompts_per_epoch", "num_steps", "eval_num_steps", "lora_rank")
-           if getattr(args, n, 1) < 1] + ["learning_rate"] * (args.learning_rate < 0)
-    for n in bad[:1]:
-        fail(f"--{n.replace('_', '-')} must be >= {0 if n == 'learning_rate' else 1}, got {getattr(args, n)}")
+    """The checks that need no weights; returns the checkpoint's state when resuming."""
+    for name in ["epochs", "batch_size", "eval_batch_size", "train_batch_size", "updates_per_epoch",
+                 "eval_every", "save_every", "group_size", "prompts_per_epoch", "num_steps",
+                 "eval_num_steps", "lora_rank"]:
+        value = getattr(args, name, 1)  # not every script has every size
+        if value < 1:
+            fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.learning_rate < 0:
+        fail(f"--learning-rate must be >= 0, got {args.learning_rate}")
+    configs = {}
     try:  # the small config files give the resolution's factor before the weights load
-        vae, dit = (json.load(open(os.path.join(args.model, f"{d}/config.json") if os.path.exists(args.model) else
-                                   hf_hub_download(args.model, f"{d}/config.json"))) for d in ("vae", "transformer"))
-    except Exception as e:
-        fail(f"model {args.model!r} is neither an existing local path nor a hub id like 'org/name' with vae/ and "
-             f"transformer/ config.json ({type(e).__name__})")
-    factor = 2 ** (len(vae["block_out_channels"]) - 1) * dit.get("patch_size", 1)
+        for name in ("vae", "transformer"):
+            path = os.path.join(args.model, name, "config.json")
+            if not os.path.exists(args.model):
+                path = hf_hub_download(args.model, f"{name}/config.json")
+            with open(path) as file:
+                configs[name] = json.load(file)
+    except Exception as error:
+        fail(f"model {args.model!r} is neither an existing local path nor a hub id like "
+             f"'org/name' with vae/ and transformer/ config.json ({type(error).__name__})")
+    factor = 2 ** (len(configs["vae"]["block_out_channels"]) - 1)
+    factor *= configs["transformer"].get("patch_size", 1)
     if args.resolution < 1 or args.resolution % factor:
-        fail(f"--resolution {args.resolution} is not a multiple of {factor} (VAE downsampling x patch size)")
+        fail(f"--resolution {args.resolution} is not a multiple of {factor} "
+             "(VAE downsampling x patch size)")
     if args.track and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
         import wandb
         if not wandb.login(prompt=False):
-            fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), or WANDB_MODE=offline")
+            fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), "
+                 "or WANDB_MODE=offline")
     if not args.resume:
         return None
     path = os.path.join(args.resume, "state.pt")
     if os.path.basename(os.path.abspath(args.resume)).startswith(".") or not os.path.isfile(path):
-        fail(f"--resume {args.resume!r} is not a checkpoint directory (no state.pt; hidden ones are unfinished saves)")
+        fail(f"--resume {args.resume!r} is not a checkpoint directory "
+             "(no state.pt; hidden ones are unfinished saves)")
     state = torch.load(path, map_location="cpu")
     for flag in STATE_FLAGS:
-        if (saved := state["args"][flag]) != getattr(args, flag):
-            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)!r} differs from the checkpoint's {saved!r}")
+        if state["args"][flag] != getattr(args, flag):
+            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)!r} differs from the "
+                 f"checkpoint's {state['args'][flag]!r}")
     if not args.eval_only and state["next_epoch"] >= args.epochs:
-        fail(f"--epochs {args.epochs} is not past the checkpoint's {state['next_epoch']} epochs: nothing to train")
+        fail(f"--epochs {args.epochs} is not past the checkpoint's {state['next_epoch']} "
+             "epochs: nothing to train")
     return state
 
 
 def load_prompts(path: str) -> tuple[list[str], list[dict]]:
-    """One prompt per line, or JSONL (`.jsonl`) with a `prompt` field; returns prompts and per-prompt metadata."""
+    """One prompt per line, or JSONL with a `prompt` field; returns prompts and metadata."""
     if not os.path.isfile(path):
         fail(f"prompt file {path!r} does not exist")
-    lines = [line.strip() for line in open(path, encoding="utf-8") if line.strip()]
+    with open(path, encoding="utf-8") as file:
+        lines = [line.strip() for line in file if line.strip()]
     if not lines:
         fail(f"prompt file {path!r} is empty")
     if not path.endswith(".jsonl"):
@@ -296,130 +366,151 @@ def load_prompts(path: str) -> tuple[list[str], list[dict]]:
     return [row["prompt"] for row in rows], rows
 
 
-def setup_distributed() -> tuple[int, int, torch.device]:
-    """torchrun sets RANK/WORLD_SIZE: nccl on CUDA, gloo on CPU; plain `python` runs one process."""
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if "RANK" not in os.environ:
-        return 0, 1, device
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def all_gather_cat(t: torch.Tensor, world: int) -> torch.Tensor:
-    """Concatenate an equally-shaped tensor from every rank, in rank order."""
+def all_gather_cat(tensor: torch.Tensor, world: int) -> torch.Tensor:
+    """Concatenate an equally shaped tensor from every rank, in rank order."""
     if world == 1:
-        return t
-    out = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(out, t.contiguous())
-    return torch.cat(out)
+        return tensor
+    gathered = [torch.empty_like(tensor) for _ in range(world)]
+    dist.all_gather(gathered, tensor.contiguous())
+    return torch.cat(gathered)
 
 
 def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
-    """A generator whose seed mixes (seed, epoch, rank, ...): every draw is reproducible on resume, no state to save."""
-    return torch.Generator(device).manual_seed(int(np.random.SeedSequence(list(keys)).generate_state(1)[0]))
+    """Seeded from (seed, epoch, rank, ...): reproducible on resume, with no state to save."""
+    seed = np.random.SeedSequence(list(keys)).generate_state(1)[0]
+    return torch.Generator(device).manual_seed(int(seed))
+
+
+def group_advantages(rewards, group_ids, per_group_std: bool, eps: float = 1e-4):
+    """(reward - its group's mean) / (std + eps); rewards, group_ids: (N,). The std (population,
+    as np.std) is over all rewards, upstream's `global_std`, or within the group."""
+    rewards = rewards.double()
+    count = torch.bincount(group_ids).double()
+    centered = rewards - (torch.bincount(group_ids, rewards) / count)[group_ids]
+    std = rewards.std(unbiased=False)
+    if per_group_std:
+        std = (torch.bincount(group_ids, centered**2) / count).sqrt()[group_ids]
+    return (centered / (std + eps)).float()
+
+
+def compute_advantages(rewards, components, weights, group_ids, aggregation, per_group_std):
+    """Advantages (N,) of the weighted reward (N,). `gdpo` with several rewards: normalise each
+    component within its group, sum them weighted, and normalise the sum over the epoch."""
+    if aggregation == "sum" or len(components) <= 1:
+        return group_advantages(rewards, group_ids, per_group_std)
+    summed = sum(weight * group_advantages(components[name], group_ids, per_group_std=True)
+                 for name, weight in weights.items())
+    return (summed - summed.mean()) / (summed.std(unbiased=False) + 1e-4)
 
 
 def encode(pipe, prompts: list[str], device, max_sequence_length: int):
-    """Text embeddings (B, L, 4096) and pooled (B, 2048), from CLIP-L + CLIP-G + T5 as SD3 does."""
-    return pipe.encode_prompt(prompts, None, None, device=device, do_classifier_free_guidance=False,
-                              max_sequence_length=max_sequence_length)[::2]  # (embeds, -, pooled, -)
+    """Text embeddings (B, L, 4096) and pooled ones (B, 2048): CLIP-L, CLIP-G and T5."""
+    embeds, _, pooled, _ = pipe.encode_prompt(
+        prompts, None, None, device=device, do_classifier_free_guidance=False,
+        max_sequence_length=max_sequence_length)
+    return embeds, pooled
 
 
-def predict_velocity(transformer, x, sigma, embeds, pooled, neg_embeds, neg_pooled, guidance_scale: float):
-    """CFG velocity u + g (c - u), one forward on [uncond; cond] (cond only when g == 1); sigma: float or (B,)."""
+def predict_velocity(transformer, x, sigma, embeds, pooled, neg_embeds, neg_pooled,
+                     guidance_scale: float):
+    """CFG velocity u + g (c - u) at sigma (a float or (B,)), one forward on [uncond; cond]."""
     cfg = guidance_scale != 1.0
-    timestep = (1000 * torch.as_tensor(sigma, device=x.device, dtype=torch.float32)).expand(x.shape[0])  # (B,)
+    timestep = 1000 * torch.as_tensor(sigma, device=x.device, dtype=torch.float32)
+    timestep = timestep.expand(x.shape[0])
     if cfg:
         x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
-        embeds, pooled = (torch.cat([neg.expand_as(c), c]) for neg, c in ((neg_embeds, embeds), (neg_pooled, pooled)))
+        embeds = torch.cat([neg_embeds.expand_as(embeds), embeds])
+        pooled = torch.cat([neg_pooled.expand_as(pooled), pooled])
     v = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds,
                     pooled_projections=pooled, return_dict=False)[0].float()
-    v_uncond, v_cond = v.chunk(2) if cfg else (v, v)
+    v_uncond = v_cond = v
+    if cfg:
+        v_uncond, v_cond = v.chunk(2)
     return v_uncond + guidance_scale * (v_cond - v_uncond)
 
 
 @torch.no_grad()
-def rollout(transformer, noise, sigmas, kind, noise_level, embeds, pooled, neg_embeds, neg_pooled, guidance_scale,
-            autocast, generator):
-    """Sample from sigma = 1 to 0. Returns latents (B, T+1, C, h, w) and log-probs (B, T), all fp32."""
-    x, latents, log_probs = noise.float(), [noise.float()], []
-    for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
+def rollout(transformer, noise, sigmas, kind, noise_level, embeds, pooled, neg_embeds,
+            neg_pooled, guidance_scale, autocast, generator, window=None):
+    """Sample sigma 1 -> 0: sde.py's step `kind` on the steps window[0] <= i < window[1] (None:
+    all), the Euler ODE elsewhere. Returns the window's latents (B, K+1, C, h, w), log-probs
+    (B, K) and step means (B, K, C, h, w), and the sample (B, C, h, w), all fp32."""
+    start, end = window or (0, len(sigmas) - 1)
+    x, latents, log_probs, means = noise.float(), [], [], []
+    for i in range(len(sigmas) - 1):
         with autocast:
-            v = predict_velocity(transformer, x, sigma, embeds, pooled, neg_embeds, neg_pooled, guidance_scale)
-        x, log_prob = sde_step(v, x, sigma, sigma_next, kind, noise_level, generator=generator, sigma_max=sigmas[1])[:2]
-        latents.append(x)
-        log_probs.append(log_prob)
-    return torch.stack(latents, dim=1), torch.stack(log_probs, dim=1)
+            v = predict_velocity(transformer, x, sigmas[i], embeds, pooled, neg_embeds,
+                                 neg_pooled, guidance_scale)
+        if i == start:
+            latents.append(x)
+        step_kind = kind if start <= i < end else "ode"
+        x, log_prob, mean, _ = sde_step(v, x, sigmas[i], sigmas[i + 1], step_kind, noise_level,
+                                        generator=generator, sigma_max=sigmas[1])
+        if start <= i < end:
+            latents.append(x)
+            log_probs.append(log_prob)
+            means.append(mean)
+    return torch.stack(latents, 1), torch.stack(log_probs, 1), torch.stack(means, 1), x
 
 
 @torch.no_grad()
 def decode(vae, latents) -> torch.Tensor:
-    """Latents -> images (B, 3, H, W) in [0, 1], decoded in fp32 with the VAE's own scaling and shift."""
+    """Latents -> images (B, 3, H, W) in [0, 1], decoded in fp32."""
     latents = latents.float() / vae.config.scaling_factor + vae.config.shift_factor
     return (vae.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
 
 
-def contact_sheet(images: list[np.ndarray], path: str):
-    """Save (H, W, 3) uint8 images as one near-square grid PNG (black cells fill the last row)."""
-    cols = math.ceil(math.sqrt(len(images)))
-    images = images + [np.zeros_like(images[0])] * (-len(images) % cols)
-    rows = [np.concatenate(images[i : i + cols], axis=1) for i in range(0, len(images), cols)]
-    Image.fromarray(np.concatenate(rows, axis=0)).save(path)
-
-
-@torch.no_grad()
-def evaluate(pipe, args, prompts, metadata, reward_fn, eval_sigmas, neg, rank, world, device, autocast, shape):
-    """ODE-sample the test prompts (prompt i on rank i % world, noise seed i) -> (means of reward and info, sheet)."""
-    scores, sheet = [], []
-    for start in range(rank, len(prompts), world * args.eval_batch_size):
-        idx = range(start, len(prompts), world)[: args.eval_batch_size]  # this rank's next prompts
-        noise = torch.stack([torch.randn(shape, generator=seeded_generator(device, args.seed, i), device=device)
-                             for i in idx])
-        embeds, pooled = encode(pipe, [prompts[i] for i in idx], device, args.max_sequence_length)
-        images = decode(pipe.vae, rollout(pipe.transformer, noise, eval_sigmas, "ode", 0.0, embeds, pooled, *neg,
-                                          args.guidance_scale, autocast, None)[0][:, -1])
-        batch_scores, info = reward_fn(images.cpu(), [prompts[i] for i in idx], [metadata[i] for i in idx])
-        scores += [{"reward_mean": float(s), **{k: float(v[j]) for k, v in info.items()}}
-                   for j, s in enumerate(batch_scores.tolist())]
-        sheet += [(i, (img.permute(1, 2, 0).cpu().numpy() * 255).round().astype(np.uint8))
-                  for i, img in zip(idx, images) if i < args.eval_sheet_size]
+def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where, run_dir):
+    """Average the gradients over ranks (one flat all-reduce, not one per tensor), unscale,
+    clip, check, step; returns the gradient norm before the clip."""
     if world > 1:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, (scores, sheet))
-        scores, sheet = [s for g in gathered for s in g[0]], [s for g in gathered for s in g[1]]
-    means = {k: float(np.mean([s[k] for s in scores])) for k in scores[0]}
-    return means, [img for _, img in sorted(sheet, key=lambda t: t[0])]
+        flat = torch.cat([p.grad.flatten() for p in params])
+        dist.all_reduce(flat)
+        flat /= world
+        for p, grad in zip(params, flat.split([p.numel() for p in params])):
+            p.grad.copy_(grad.view_as(p))
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    if not scaler.is_enabled():  # fp16's scaler skips non-finite steps itself
+        check_finite(where, run_dir, loss=loss, gradient=grad_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
 
 
-def save_checkpoint(path, transformer, lora_params, ema_params, optimizer, next_epoch, global_step, args, extra: dict):
-    """Atomic: written to a hidden temp dir (--resume refuses it, `epoch_*` never matches it), then renamed. `lora/`,
-    `ema_lora/`: diffusers LoRAs + peft config (trained alpha); state.pt resumes (`extra`: the algorithm's tensors)."""
+def save_checkpoint(path, transformer, lora_params, ema_params, snapshots, optimizer,
+                    next_epoch, global_step, args):
+    """Atomic: written to a hidden temporary directory (which --resume refuses and `epoch_*`
+    never matches), then renamed. `lora/`, `ema_lora/`: diffusers LoRAs with their peft
+    config; state.pt resumes (`extra`: the algorithm's LoRA snapshots)."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     config = transformer.peft_config["default"].to_dict()
-    for name, weights in (("lora", []), ("ema_lora", ema_params)):  # [] swaps nothing in
-        with swapped(lora_params, weights):
-            StableDiffusion3Pipeline.save_lora_weights(os.path.join(tmp, name), get_peft_model_state_dict(transformer),
-                                                       transformer_lora_adapter_metadata=config)
-    torch.save({"lora": [p.detach().cpu() for p in lora_params], "ema": [p.cpu() for p in ema_params],
-                "optimizer": optimizer.state_dict(), "next_epoch": next_epoch, "global_step": global_step,
-                "args": asdict(args), "extra": extra}, os.path.join(tmp, "state.pt"))
+    for name, copies in [("lora", []), ("ema_lora", ema_params)]:
+        with swapped(lora_params, copies):  # [] swaps nothing in
+            StableDiffusion3Pipeline.save_lora_weights(
+                os.path.join(tmp, name), get_peft_model_state_dict(transformer),
+                transformer_lora_adapter_metadata=config)
+    extra = {name: [p.cpu() for p in copies] for name, copies in snapshots.items()}
+    torch.save({"lora": [p.detach().cpu() for p in lora_params],
+                "ema": [p.cpu() for p in ema_params], "optimizer": optimizer.state_dict(),
+                "next_epoch": next_epoch, "global_step": global_step, "args": asdict(args),
+                "extra": extra}, os.path.join(tmp, "state.pt"))
     shutil.rmtree(path, ignore_errors=True)
     os.rename(tmp, path)
 
 
 @contextmanager
-def swapped(params, ema):
-    """Temporarily put the EMA values into the live LoRA parameters (for eval and the saved `ema_lora`)."""
-    for p, e in zip(params, ema):
-        p.data, e.data = e.data, p.data
+def swapped(params, copies):
+    """Temporarily put the values of `copies` (the EMA, a snapshot) into the live parameters."""
+    for p, copy in zip(params, copies):
+        p.data, copy.data = copy.data, p.data
     try:
         yield
     finally:
-        for p, e in zip(params, ema):
-            p.data, e.data = e.data, p.data
+        for p, copy in zip(params, copies):
+            p.data, copy.data = copy.data, p.data
 
 
 @contextmanager
@@ -432,267 +523,378 @@ def adapters_disabled(transformer):
         transformer.enable_adapters()
 
 
-def peak_memory_gb(device: torch.device) -> float:
-    return (torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6)  # Linux reports KiB
-
-
 def prepare_run_dir(run_dir: str, start_epoch: int):
-    """Create the run dir; a resumed one drops the metrics of the epochs it redoes and a crashed save's temp dirs."""
+    """Create the run directory, dropping a crashed save and the metrics of redone epochs."""
     for tmp in glob.glob(os.path.join(run_dir, "checkpoints", ".*")):
         shutil.rmtree(tmp)
     path = os.path.join(run_dir, "metrics.jsonl")
     lines = open(path).readlines() if os.path.exists(path) else []
     os.makedirs(run_dir, exist_ok=True)
-    with open(path, "w") as f:
-        f.writelines(line for line in lines if json.loads(line)["epoch"] < start_epoch)
+    with open(path, "w") as file:
+        file.writelines(line for line in lines if json.loads(line)["epoch"] < start_epoch)
 
 
 def rank_mean(values: dict[str, float], world: int, device) -> dict[str, float]:
-    """The mean of each value over ranks (logged stats are the whole run's, not rank 0's)."""
-    stacked = all_gather_cat(torch.tensor([list(values.values())], dtype=torch.float64, device=device), world)
-    return dict(zip(values, stacked.mean(0).tolist()))
+    """The mean of each value over ranks (logged statistics are the run's, not rank 0's)."""
+    local = torch.tensor([list(values.values())], dtype=torch.float64, device=device)
+    return dict(zip(values, all_gather_cat(local, world).mean(0).tolist()))
 
 
 def check_finite(where: str, run_dir: str, **values):
-    """Stop with one line naming the first non-finite value (reward, advantage, loss, gradient) and last checkpoint."""
-    for name in [k for k, v in values.items() if not torch.isfinite(torch.as_tensor(v)).all()][:1]:
-        last = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))[-1:] or ["none saved yet"]
-        fail(f"non-finite {name} at {where}; stopping. Last checkpoint: {last[0]}")
+    """Stop with one line naming the first non-finite value and the last checkpoint."""
+    for name, value in values.items():
+        if not torch.isfinite(torch.as_tensor(value)).all():
+            saved = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
+            last = saved[-1] if saved else "none saved yet"
+            fail(f"non-finite {name} at {where}; stopping. Last checkpoint: {last}")
 
 
 if __name__ == "__main__":
+    # TRY NOT TO MODIFY: input checks, rewards, the run directory: all before the model loads
     args = tyro.cli(Args)
-    # ---- input checks and batch arithmetic: fail with one clear line before any model loads ----
     train_prompts, train_meta = ([], []) if args.eval_only else load_prompts(args.train_prompts)
     test_prompts, test_meta = load_prompts(args.test_prompts)
     state = check_args(args)
-    rank, world, device = setup_distributed()
-    quiet = rank != 0 or not sys.stderr.isatty()  # progress bars only on rank 0's terminal, not in log files
-    try:  # rewards are built before the model: a bad file or a server that does not answer fails here
+    rank, world, device = 0, 1, torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ:  # set by torchrun: nccl on CUDA, gloo on CPU
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    quiet = rank != 0 or not sys.stderr.isatty()  # progress bars only on rank 0's terminal
+    try:  # a bad reward file, or a reward server that does not answer, fails here
         rewards.check_prompts(args.reward, train_prompts)
         rewards.check_prompts(args.eval_reward or args.reward, test_prompts)
-        snapshot_decay(0, args.old_decay), snapshot_decay(0, args.sampling_decay)
         reward_fn = rewards.build_reward(args.reward, device=device)
-        eval_reward_fn = rewards.build_reward(args.eval_reward, device=device) if args.eval_reward else reward_fn
-    except ValueError as e:
-        fail(str(e))
-    if args.num_train_timesteps < 1 or args.timestep_range <= 0:
-        fail(f"--num-train-timesteps {args.num_train_timesteps} and --timestep-range {args.timestep_range} must be > 0")
+        eval_reward_fn = reward_fn
+        if args.eval_reward:
+            eval_reward_fn = rewards.build_reward(args.eval_reward, device=device)
+    except ValueError as error:
+        fail(str(error))
     images_per_epoch = args.prompts_per_epoch * args.group_size
     if images_per_epoch % (world * args.batch_size):
-        fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split into {world} GPUs x "
-             f"batch-size {args.batch_size}; change --prompts-per-epoch, --group-size or --batch-size")
-    local_images = images_per_epoch // world  # images sampled by this rank per epoch
+        fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split into "
+             f"{world} GPUs x batch-size {args.batch_size}; change --prompts-per-epoch, "
+             "--group-size or --batch-size")
+    local_images = images_per_epoch // world  # the images this rank samples per epoch
     num_batches = local_images // args.batch_size
-    if num_batches % args.updates_per_epoch:
-        fail(f"{num_batches} micro-batches per GPU per epoch do not split into --updates-per-epoch "
-             f"{args.updates_per_epoch}; change --updates-per-epoch or --batch-size")
-    if args.center_by == "group" and math.gcd(args.group_size, world * args.batch_size) < 2:  # smallest group piece
-        fail(f"--group-size {args.group_size} and {world} GPUs x --batch-size {args.batch_size} leave a prompt with a "
-             "single image in some micro-step, which group centering cannot use; make them share a factor >= 2")
-    accum = num_batches // args.updates_per_epoch * args.num_train_timesteps  # micro-steps per optimizer step
     run_name = [f"{args.exp_name}__{args.seed}__{int(time.time())}"]
     if world > 1:
         dist.broadcast_object_list(run_name, src=0)
-    parent = os.path.dirname(os.path.abspath(args.resume or "."))  # a resumed run continues its checkpoint's run dir
-    resumed = args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints"
-    run_dir = os.path.dirname(parent) if resumed else os.path.join(args.output_dir, run_name[0])
-    if rank == 0:
-        print(f"{world} {'GPU(s)' if device.type == 'cuda' else 'process(es)'} x {num_batches} "
-              f"micro-batches x {args.batch_size} = {images_per_epoch} images/epoch "
-              f"({args.prompts_per_epoch} prompts x {args.group_size}); {args.updates_per_epoch} updates/epoch of "
-              f"{accum} micro-steps each; run dir {run_dir}")
+    run_dir = os.path.join(args.output_dir, run_name[0])
+    parent = os.path.dirname(os.path.abspath(args.resume or "."))
+    if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
+        run_dir = os.path.dirname(parent)  # a resumed run continues in its own directory
 
-    # ---- model: frozen base in bf16/fp16, LoRA in fp32 (same init on every rank), VAE in fp32 ----
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}[args.mixed_precision]
-    pipe = StableDiffusion3Pipeline.from_pretrained(args.model, dtype={"default": dtype, "vae": torch.float32}).to(device)
+    # ALGO LOGIC: from images to optimizer steps. The defaults on 8 GPUs: 48 prompts x 24 images
+    # = 1152 images, 144 per GPU, in 18 micro-batches of 8. Image i shows prompt i // 24, and
+    # micro-batch s of the 8 GPUs holds images 64 s to 64 s + 63, GPU k the 8 from 64 s + 8 k:
+    # micro-batch 1 is prompt 2's last 8 images (GPU 0), prompts 3 and 4 (GPUs 1-6) and prompt
+    # 5's first 8 (GPU 7). crd_loss centers each prompt's part of these 64 images, at least
+    # gcd(24, 64) = 8 of them. A micro-batch trains 20 timesteps, the same on every GPU, a
+    # forward and backward each (a micro-step). 2 updates per epoch: an optimizer step every
+    # 9 micro-batches x 20 = 180 micro-steps (accum_steps), averaged over the 8 GPUs.
+    for spec in (args.old_decay, args.sampling_decay):
+        try:
+            snapshot_decay(0, spec)
+        except ValueError as error:
+            fail(str(error))
+    if args.num_train_timesteps < 1 or args.timestep_range <= 0:
+        fail(f"--num-train-timesteps {args.num_train_timesteps} and --timestep-range "
+             f"{args.timestep_range} must be > 0")
+    if num_batches % args.updates_per_epoch:
+        fail(f"{num_batches} micro-batches per GPU per epoch do not split into "
+             f"--updates-per-epoch {args.updates_per_epoch}; change --updates-per-epoch "
+             "or --batch-size")
+    if args.center_by == "group" and math.gcd(args.group_size, world * args.batch_size) < 2:
+        fail(f"--group-size {args.group_size} and {world} GPUs x --batch-size "
+             f"{args.batch_size} leave a prompt with a single image in some micro-step, which "
+             "group centering cannot use; make them share a factor >= 2")
+    accum_steps = num_batches // args.updates_per_epoch * args.num_train_timesteps
+    if rank == 0:
+        devices = "GPU(s)" if device.type == "cuda" else "process(es)"
+        print(f"{world} {devices} x {num_batches} micro-batches x {args.batch_size} = "
+              f"{images_per_epoch} images/epoch ({args.prompts_per_epoch} prompts x "
+              f"{args.group_size}); {args.updates_per_epoch} updates/epoch of {accum_steps} "
+              f"micro-steps each; run dir {run_dir}")
+
+    # TRY NOT TO MODIFY: the model. Frozen base in bf16/fp16, fp32 LoRA (the same on all ranks)
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
+    dtype = dtypes[args.mixed_precision]
+    pipe = StableDiffusion3Pipeline.from_pretrained(
+        args.model, dtype={"default": dtype, "vae": torch.float32}).to(device)
     transformer = pipe.transformer
-    for module in filter(None, (transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3)):
-        module.requires_grad_(False)
+    for module in (transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2,
+                   pipe.text_encoder_3):
+        if module is not None:
+            module.requires_grad_(False)
     torch.manual_seed(args.seed)
-    transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian",
-                                       target_modules=LORA_TARGETS))
+    transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
+                                       init_lora_weights="gaussian", target_modules=LORA_TARGETS))
     lora_params = [p for p in transformer.parameters() if p.requires_grad]
     for p in lora_params:
         p.data = p.data.float()
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    optimizer = torch.optim.AdamW(lora_params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(lora_params, lr=args.learning_rate,
+                                  weight_decay=args.weight_decay)
     scaler = torch.amp.GradScaler(device.type, enabled=args.mixed_precision == "fp16")
-    # fp32 copies: EMA, old (implicit-reward reference, `swapped` into the LoRA), sampling (generates the rollouts)
-    ema_params, old_params, sampling_params = ([p.detach().clone() for p in lora_params] for _ in range(3))
+    ema_params = [p.detach().clone() for p in lora_params]
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    latent_shape = (transformer.config.in_channels, *[args.resolution // pipe.vae_scale_factor] * 2)
-    sigmas = sigma_grid(args.num_steps, pipe.scheduler.config.shift).to(device)  # (T+1,) the port's grid, 1 to 0
-    train_sigmas = sigmas[:-1][sigmas[:-1] >= 1 - args.timestep_range]  # (n,) training timesteps, sigma 1 always in
+    latent_size = args.resolution // pipe.vae_scale_factor
+    latent_shape = (transformer.config.in_channels, latent_size, latent_size)
+    with torch.no_grad():
+        neg = encode(pipe, [""], device, args.max_sequence_length)  # the CFG prompt, once
+
+    # ALGO LOGIC: the sigma grids, eval's CFG scale, the LoRA snapshots the algorithm keeps
+    sigmas = sigma_grid(args.num_steps, pipe.scheduler.config.shift).to(device)  # (T+1,)
+    train_sigmas = sigmas[:-1][sigmas[:-1] >= 1 - args.timestep_range]  # (n,) with sigma 1
     eval_sigmas = sigma_grid(args.eval_num_steps, pipe.scheduler.config.shift).to(device)
+    eval_guidance_scale = args.guidance_scale
     if rank == 0 and args.num_train_timesteps > len(train_sigmas):
-        print(f"note: --num-train-timesteps {args.num_train_timesteps} > {len(train_sigmas)} eligible grid points "
-              f"{[round(x, 4) for x in train_sigmas.tolist()]}: each is trained several times per micro-batch")
-    neg = encode(pipe, [""], device, args.max_sequence_length)  # empty prompt: eval CFG and the CFG KL teacher
-    start_epoch, global_step = (0, 0) if state is None else (state["next_epoch"], state["global_step"])
+        eligible = [round(sigma, 4) for sigma in train_sigmas.tolist()]
+        print(f"note: --num-train-timesteps {args.num_train_timesteps} > {len(eligible)} "
+              f"eligible grid points {eligible}: each is trained several times per micro-batch")
+    # fp32 copies of the LoRA: "old" is the implicit reward's reference, "sampling" rolls out
+    old_params = [p.detach().clone() for p in lora_params]
+    sampling_params = [p.detach().clone() for p in lora_params]
+    snapshots = {"old": old_params, "sampling": sampling_params}
+
+    # TRY NOT TO MODIFY: resume, logging, eval
+    start_epoch, global_step = 0, 0
     if state is not None:
-        for params, saved in ((lora_params, state["lora"]), (ema_params, state["ema"]),
-                              (old_params, state["extra"]["old"]), (sampling_params, state["extra"]["sampling"])):
-            for p, value in zip(params, saved):
-                p.data.copy_(value)
+        for p, saved in zip(lora_params + ema_params, state["lora"] + state["ema"]):
+            p.data.copy_(saved)
+        for name, copies in snapshots.items():
+            for p, saved in zip(copies, state["extra"][name]):
+                p.data.copy_(saved)
         optimizer.load_state_dict(state["optimizer"])
+        start_epoch, global_step = state["next_epoch"], state["global_step"]
     if rank == 0:  # created only now: a run that fails earlier leaves no directory behind
         prepare_run_dir(run_dir, start_epoch)
     if args.track and rank == 0:
         import wandb
-        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=os.path.basename(run_dir),
-                   config=vars(args), save_code=True)
+        wandb.init(project=args.wandb_project, entity=args.wandb_entity,
+                   name=os.path.basename(run_dir), config=vars(args), save_code=True)
 
     def log(metrics: dict, epoch: int):
         if rank == 0:
-            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps({"epoch": epoch, **metrics}) + "\n")
+            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as file:
+                file.write(json.dumps({"epoch": epoch, **metrics}) + "\n")
             if args.track:
                 wandb.log(metrics, step=epoch)
 
+    @torch.no_grad()
     def run_eval(epoch: int, prefix: str = "eval/") -> dict:
-        with swapped(lora_params, ema_params):  # with --ema-decay 0 the EMA equals the live weights
-            means, sheet = evaluate(pipe, args, test_prompts, test_meta, eval_reward_fn, eval_sigmas, neg, rank, world,
-                                   device, autocast, latent_shape)
-        if rank == 0:
+        """ODE-sample the test prompts with the EMA weights and score them: prompt i on rank
+        i % world, from noise seed i (the same images on any GPU count)."""
+        scores, sheet = [], []
+        my_prompts = list(range(rank, len(test_prompts), world))
+        for start in range(0, len(my_prompts), args.eval_batch_size):
+            ids = my_prompts[start : start + args.eval_batch_size]
+            prompts = [test_prompts[i] for i in ids]
+            noise = torch.stack([torch.randn(latent_shape, device=device,
+                                             generator=seeded_generator(device, args.seed, i))
+                                 for i in ids])
+            embeds, pooled = encode(pipe, prompts, device, args.max_sequence_length)
+            with swapped(lora_params, ema_params):  # with --ema-decay 0 the EMA is the LoRA
+                _, _, _, final = rollout(transformer, noise, eval_sigmas, "ode", 0.0, embeds,
+                                         pooled, *neg, eval_guidance_scale, autocast, None)
+            images = decode(pipe.vae, final)
+            batch_scores, info = eval_reward_fn(images.cpu(), prompts, [test_meta[i] for i in ids])
+            for j, score in enumerate(batch_scores.tolist()):
+                scores.append({"reward_mean": float(score),
+                               **{name: float(values[j]) for name, values in info.items()}})
+            for i, image in zip(ids, images):
+                if i < args.eval_sheet_size:
+                    pixels = (image.permute(1, 2, 0).cpu().numpy() * 255).round()
+                    sheet.append((i, pixels.astype(np.uint8)))
+        if world > 1:
+            gathered = [None] * world
+            dist.all_gather_object(gathered, (scores, sheet))
+            scores = [score for rank_scores, _ in gathered for score in rank_scores]
+            sheet = [item for _, rank_sheet in gathered for item in rank_sheet]
+        means = {name: float(np.mean([score[name] for score in scores])) for name in scores[0]}
+        if rank == 0:  # a contact sheet: a near-square grid, black cells end the last row
+            cells = [pixels for _, pixels in sorted(sheet, key=lambda item: item[0])]
+            cols = math.ceil(math.sqrt(len(cells)))
+            cells += [np.zeros_like(cells[0])] * (-len(cells) % cols)
+            rows = [np.concatenate(cells[i : i + cols], axis=1) for i in range(0, len(cells), cols)]
             path = os.path.join(run_dir, f"eval_{epoch:05d}.png")
-            contact_sheet(sheet, path)
-            print(f"eval after {epoch} epochs: {args.eval_reward or args.reward} = {means['reward_mean']:.4f}")
+            Image.fromarray(np.concatenate(rows, axis=0)).save(path)
+            reward_name = args.eval_reward or args.reward
+            print(f"eval after {epoch} epochs: {reward_name} = {means['reward_mean']:.4f}")
             if args.track:
                 wandb.log({"eval/sheet": wandb.Image(path)}, step=epoch)
-        return {prefix + k: v for k, v in means.items()}
+        return {prefix + name: value for name, value in means.items()}
 
     if args.eval_only:
         log(run_eval(start_epoch), start_epoch)
-    # image i: prompt i // G, gathered micro-step i // (W B), rank (i // B) % W: groups contiguous, centered per step
-    layout = torch.arange(images_per_epoch).view(num_batches, world, args.batch_size)  # image ids (steps, W, B)
-    group_ids = layout.transpose(0, 1).flatten() // args.group_size  # (P*G,) in gathered (rank-major) order
-    step_groups = (layout.flatten(1) // args.group_size * (args.center_by == "group")).to(device)  # (steps, W*B)
-    my_groups = group_ids[rank * local_images : (rank + 1) * local_images].view(num_batches, args.batch_size)
     executor = ThreadPoolExecutor(max_workers=1)  # scores batch i while batch i+1 is sampled
     for epoch in range(start_epoch, 0 if args.eval_only else args.epochs):
         epoch_start = time.time()
         metrics = run_eval(epoch) if epoch % args.eval_every == 0 else {}
-        # ---- SAMPLING: Euler ODE at CFG guidance_scale with the sampling snapshot; keep only x0 ----
+        # the same prompts on every rank, distinct ones when there are enough
         prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
-        chosen = (torch.randperm(len(train_prompts), generator=prompt_gen)[: args.prompts_per_epoch]
-                  if len(train_prompts) >= args.prompts_per_epoch
-                  else torch.randint(len(train_prompts), (args.prompts_per_epoch,), generator=prompt_gen))
+        num_prompts, per_epoch = len(train_prompts), args.prompts_per_epoch
+        if num_prompts >= per_epoch:
+            chosen = torch.randperm(num_prompts, generator=prompt_gen)[:per_epoch]
+        else:
+            chosen = torch.randint(num_prompts, (per_epoch,), generator=prompt_gen)
+
+        # ALGO LOGIC: sampling with the sampling snapshot: Euler ODE, only the final latents x0
+        # are kept. The layout is the one `from images to optimizer steps` describes.
+        image_ids = torch.arange(images_per_epoch).view(num_batches, world, args.batch_size)
+        group_ids = image_ids.transpose(0, 1).flatten() // args.group_size  # (P*G,) rank order
+        my_groups = group_ids.view(world, num_batches, args.batch_size)[rank]
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
         transformer.eval()
         batches, futures = [], []
         with swapped(lora_params, sampling_params), torch.no_grad():
-            for b in tqdm(range(num_batches), desc=f"epoch {epoch} sampling", disable=quiet, leave=False):
-                idx = [int(chosen[g]) for g in my_groups[b]]
-                prompts, meta = [train_prompts[i] for i in idx], [train_meta[i] for i in idx]
-                embeds, pooled = encode(pipe, prompts, device, args.max_sequence_length)
-                noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen, device=device)
-                x0 = rollout(transformer, noise, sigmas, "ode", 0.0, embeds, pooled, *neg, args.guidance_scale,
-                             autocast, None)[0][:, -1]  # (B, C, h, w)
-                futures.append(executor.submit(reward_fn, decode(pipe.vae, x0).cpu(), prompts, meta))
-                batches.append((embeds, pooled, x0))
+            for batch_groups in tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet,
+                                     leave=False):
+                prompt_ids = [int(chosen[group]) for group in batch_groups]
+                prompts = [train_prompts[i] for i in prompt_ids]
+                meta = [train_meta[i] for i in prompt_ids]
+                cond = (*encode(pipe, prompts, device, args.max_sequence_length), *neg)
+                noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen,
+                                    device=device)
+                x0 = rollout(transformer, noise, sigmas, "ode", 0.0, *cond, args.guidance_scale,
+                             autocast, None)[3]  # (B, C, h, w)
+                images = decode(pipe.vae, x0).cpu()
+                futures.append(executor.submit(reward_fn, images, prompts, meta))
+                batches.append((cond, x0))
+
+        # TRY NOT TO MODIFY: the rewards of all ranks, in rank order, and the advantages
         sampling_seconds = time.time() - epoch_start
-        # ---- REWARD: wait for the scorer, gather every rank's rewards in rank order ----
-        results = [f.result() for f in futures]
-        info = {k: torch.cat([r[1][k] for r in results]) for k in results[0][1]}  # each (local_images,)
-        all_rewards = all_gather_cat(torch.cat([r[0] for r in results]).float().to(device), world).cpu()  # (P*G,)
-        all_components = {k: all_gather_cat(info[k].to(device), world).cpu() for k in reward_fn.weights}
-        extras = rank_mean({f"reward/{k}": v.mean().item() for k, v in info.items()  # e.g. pickscore_raw
-                            if k not in reward_fn.weights}, world, device)
-        if reward_fn.group_transform is not None:  # groupwise rewards (pickscore_rank) see whole groups only here
+        scores, infos = zip(*[future.result() for future in futures])  # per micro-batch
+        info = {name: torch.cat([batch[name] for batch in infos]) for name in infos[0]}
+        all_rewards = all_gather_cat(torch.cat(scores).float().to(device), world).cpu()  # (P*G,)
+        all_components = {name: all_gather_cat(info[name].to(device), world).cpu()
+                          for name in reward_fn.weights}
+        extras = rank_mean({f"reward/{name}": values.mean().item()  # e.g. pickscore_raw
+                            for name, values in info.items() if name not in reward_fn.weights},
+                           world, device)
+        if reward_fn.group_transform is not None:  # groupwise rewards need whole groups
             all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
-        # ---- ADVANTAGE: per-prompt mean, global (or per-group) std, clipped and mapped to a in [0, 1] ----
-        advantages = compute_advantages(all_rewards, all_components, reward_fn.weights, group_ids,
-                                        args.advantage_aggregation, args.per_group_std)
-        mapped = (advantages.clamp(-args.adv_clip, args.adv_clip) / (2 * args.adv_clip) + 0.5).to(device)
-        step_a = mapped.view(world, num_batches, args.batch_size).transpose(0, 1).flatten(1)  # (steps, W*B)
-        group_std = torch.stack([all_rewards[group_ids == g].std(unbiased=False) for g in range(args.prompts_per_epoch)])
-        # ---- TRAINING: re-noise x0 at shared grid timesteps; old, current and CFG-teacher velocities at x_t ----
+        advantages = compute_advantages(all_rewards, all_components, reward_fn.weights,
+                                        group_ids, args.advantage_aggregation, args.per_group_std)
+        check_finite(f"epoch {epoch}", run_dir, reward=all_rewards, advantage=advantages)
+        group_std = torch.stack([all_rewards[group_ids == group].std(unbiased=False)
+                                 for group in range(args.prompts_per_epoch)])
+
+        # ALGO LOGIC: training. A micro-step re-noises a micro-batch's x0 at one timestep of the
+        # grid and backpropagates crd_loss on the velocities of the LoRA, the old snapshot and
+        # (for the KL) the base model with CFG.
+        step_advantages = advantages.view(world, num_batches, -1).transpose(0, 1).flatten(1)
+        step_groups = group_ids.view(world, num_batches, -1).transpose(0, 1).flatten(1)
+        if args.center_by == "batch":  # one centering set: all of a micro-step's images
+            step_groups = torch.zeros_like(step_groups)
+        step_groups = step_groups.to(device)  # (steps, W*B) like step_advantages
         transformer.train()
-        time_gen = seeded_generator(device, args.seed, epoch, 1)  # same timesteps on every rank (shared centering)
-        train_gen = seeded_generator(device, args.seed, epoch, rank, 1)  # this rank's re-noising
-        stats = {"policy_loss": [], "kl": [], "kl_loss": [], "r_theta": [], "old_deviate": [], "old_kl": []}
-        first_r_theta, micro = float("nan"), 0
-        mine = torch.arange(rank * args.batch_size, (rank + 1) * args.batch_size, device=device)  # own part of a step
-        for b, (embeds, pooled, x0) in enumerate(tqdm(batches, f"epoch {epoch} training", disable=quiet, leave=False)):
-            for t in train_sigmas[train_timestep_indices(len(train_sigmas), args.num_train_timesteps, time_gen)]:
+        time_gen = seeded_generator(device, args.seed, epoch, 1)  # the same on every rank
+        train_gen = seeded_generator(device, args.seed, epoch, rank, 1)  # this rank's noise
+        stats = {"policy_loss": [], "kl_loss": [], "r_theta": [], "old_deviate": []}
+        if args.kl_beta > 0:  # measured against the CFG teacher, which only the KL needs
+            stats.update({"kl": [], "old_kl": []})
+        first_r_theta_abs, micro_step = float("nan"), 0
+        progress = tqdm(batches, f"epoch {epoch} training", disable=quiet, leave=False)
+        for step, (cond, x0) in enumerate(progress):
+            indices = train_timestep_indices(len(train_sigmas), args.num_train_timesteps,
+                                             time_gen)
+            for sigma in train_sigmas[indices]:
                 noise = torch.randn(x0.shape, generator=train_gen, device=device)
-                xt, target = (1 - t) * x0 + t * noise, noise - x0
+                x_t, target = (1 - sigma) * x0 + sigma * noise, noise - x0
                 with torch.no_grad(), autocast, swapped(lora_params, old_params):
-                    v_old = predict_velocity(transformer, xt, t, embeds, pooled, *neg, args.guidance_scale)
-                if args.kl_beta > 0:  # the CFG teacher: 2 extra forwards, skipped when there is no KL term
-                    with torch.no_grad(), autocast, adapters_disabled(transformer):
-                        v_teacher = predict_velocity(transformer, xt, t, embeds, pooled, *neg, args.kl_cfg)
-                with autocast:
-                    v = predict_velocity(transformer, xt, t, embeds, pooled, *neg, args.guidance_scale)
-                r_local = crd_implicit_reward(v, v_old, target, args.adaptive_logp)  # (B,)
-                r_step = all_gather_cat(r_local.detach(), world).index_copy(0, mine, r_local)  # (W*B,), own with grad
-                policy_loss = crd_loss(r_step, step_a[b], step_groups[b], args.crd_beta, args.weight_temp, args.adv_clip)
-                kl_loss = torch.zeros((), device=device)
+                    v_old = predict_velocity(transformer, x_t, sigma, *cond, args.guidance_scale)
+                v_teacher = None
                 if args.kl_beta > 0:
-                    kl_loss, kl = crd_kl(v, v_teacher, step_a[b, mine], args.kl_beta, args.reward_adaptive_kl)
+                    with torch.no_grad(), autocast, adapters_disabled(transformer):
+                        v_teacher = predict_velocity(transformer, x_t, sigma, *cond, args.kl_cfg)
+                with autocast:
+                    v = predict_velocity(transformer, x_t, sigma, *cond, args.guidance_scale)
+                r_local = crd_implicit_reward(v, v_old, target, args.adaptive_logp)  # (B,)
+                r_gathered = all_gather_cat(r_local.detach(), world)  # (W*B,)
+                loss, policy_loss, kl_loss, kl = crd_loss(
+                    r_local, r_gathered, step_advantages[step], step_groups[step], rank, world,
+                    v, v_teacher, accum_steps, args.crd_beta, args.weight_temp, args.adv_clip,
+                    args.kl_beta, args.reward_adaptive_kl)
+                scaler.scale(loss).backward()
+                if micro_step == 0:  # r is exactly 0 while old == LoRA (epoch 0, decay 0)
+                    first_r_theta_abs = r_local.abs().max().item()
+                stats["policy_loss"].append(policy_loss.item())
+                stats["kl_loss"].append(kl_loss.item())
+                stats["r_theta"].append(r_local.mean().item())
+                stats["old_deviate"].append(((v.detach() - v_old) ** 2).mean().item())
+                if v_teacher is not None:
                     stats["kl"].append(kl.mean().item())
-                    stats["old_kl"].append(((v_old - v_teacher) ** 2).mean().item())  # old vs the teacher
-                # only this rank's B of the W*B terms carry gradient: x world = the gathered mean's (port: rank mean)
-                scaler.scale((world * policy_loss + kl_loss) / accum).backward()
-                if micro == 0:  # r_theta is exactly 0 while old == current (the first epoch, or old decay <= 0)
-                    first_r_theta = r_local.abs().max().item()
-                for k, value in (("policy_loss", policy_loss), ("kl_loss", kl_loss), ("r_theta", r_local.mean()),
-                                 ("old_deviate", ((v.detach() - v_old) ** 2).mean())):
-                    stats[k].append(value.item())
-                micro += 1
-                if micro % accum:
-                    continue
-                # one optimizer step: average LoRA grads over ranks in one flat all-reduce, clip, step, EMA
-                if world > 1:
-                    flat = torch.cat([p.grad.flatten() for p in lora_params])
-                    dist.all_reduce(flat)
-                    for p, g in zip(lora_params, (flat / world).split([p.numel() for p in lora_params])):
-                        p.grad.copy_(g.view_as(p))
-                scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, args.max_grad_norm)
-                if not scaler.is_enabled():  # (fp16's scaler skips non-finite steps itself)
-                    check_finite(f"epoch {epoch}, step {global_step}", run_dir, loss=policy_loss + kl_loss, gradient=grad_norm)
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                global_step += 1
-                if args.ema_every == 0 or args.ema_decay == 0:  # per optimizer step (decay 0: EMA = live weights)
-                    blend_snapshot(ema_params, lora_params, min(args.ema_decay, (1 + global_step) / (10 + global_step)))
-        if args.ema_decay > 0 and args.ema_every > 0 and (epoch + 1) % args.ema_every == 0:  # Flow-Factory crd.py
-            blend_snapshot(ema_params, lora_params, min(args.ema_decay, (1 + epoch) / (10 + epoch)))  # ema_step(epoch)
-        # ---- SNAPSHOTS: old, then sampling <- decay snapshot + (1 - decay) current, decays from optimizer steps ----
-        old_decay, sampling_decay = (snapshot_decay(global_step, s) for s in (args.old_decay, args.sampling_decay))
-        blend_snapshot(old_params, lora_params, old_decay)
-        blend_snapshot(sampling_params, lora_params, sampling_decay)
-        # ---- LOGGING, CHECKPOINT ----
+                    stats["old_kl"].append(((v_old - v_teacher) ** 2).mean().item())
+                micro_step += 1
+                if micro_step % accum_steps == 0:
+                    grad_norm = optimizer_step(optimizer, scaler, lora_params,
+                                               args.max_grad_norm, world, loss,
+                                               f"epoch {epoch}, step {global_step}", run_dir)
+                    global_step += 1
+                    if args.ema_every == 0 or args.ema_decay == 0:  # decay 0: EMA = LoRA
+                        decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))
+                        blend_snapshot(ema_params, lora_params, decay)
+        # As upstream, the EMA moves once every ema_every epochs, its warm-up counts epochs
+        if args.ema_decay > 0 and args.ema_every > 0 and (epoch + 1) % args.ema_every == 0:
+            decay = min(args.ema_decay, (1 + epoch) / (10 + epoch))
+            blend_snapshot(ema_params, lora_params, decay)
+        # The snapshots move once per epoch, by decays that follow the optimizer steps
+        decays = {"old": snapshot_decay(global_step, args.old_decay),
+                  "sampling": snapshot_decay(global_step, args.sampling_decay)}
+        for name, decay in decays.items():
+            blend_snapshot(snapshots[name], lora_params, decay)
+
+        # ALGO LOGIC: this algorithm's metrics and its part of the summary line
+        losses = {f"losses/{name}": float(np.mean(values)) for name, values in stats.items()}
+        metrics.update(rank_mean(losses, world, device))
+        metrics["losses/first_r_theta_abs"] = first_r_theta_abs
+        metrics["charts/old_decay"] = decays["old"]
+        metrics["charts/sampling_decay"] = decays["sampling"]
+        kl = metrics.get("losses/kl", 0.0)  # none without a KL
+        summary = (f"policy {metrics['losses/policy_loss']:.3e} kl {kl:.3e} | r_theta "
+                   f"{metrics['losses/r_theta']:.1e} | decay old {decays['old']:.3f} "
+                   f"sampling {decays['sampling']:.3f}")
+
+        # TRY NOT TO MODIFY: the shared metrics, the final eval, the summary line, checkpoints
         epoch_seconds = time.time() - epoch_start
-        metrics.update(rank_mean({f"losses/{k}": float(np.mean(v)) for k, v in stats.items() if v}, world, device))
-        metrics.update({"losses/first_r_theta_abs": first_r_theta, "losses/grad_norm": float(grad_norm),
-            "charts/old_decay": old_decay, "charts/sampling_decay": sampling_decay, "charts/global_step": global_step,
-            "charts/learning_rate": args.learning_rate, "perf/max_mem_gb": peak_memory_gb(device),
-            "reward/mean": all_rewards.mean().item(), "reward/std": all_rewards.std(unbiased=False).item(),
+        max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux: KiB
+        if device.type == "cuda":
+            max_mem_gb = torch.cuda.max_memory_allocated(device) / 1e9
+        metrics.update({
+            "losses/grad_norm": float(grad_norm),
+            "reward/mean": all_rewards.mean().item(),
+            "reward/std": all_rewards.std(unbiased=False).item(),
             "reward/zero_std_group_frac": (group_std == 0).float().mean().item(),
-            **{f"reward/{k}": v.mean().item() for k, v in all_components.items()}, **extras,
-            "perf/images_per_sec": images_per_epoch / sampling_seconds, "perf/epoch_seconds": epoch_seconds})
+            **{f"reward/{name}": values.mean().item() for name, values in all_components.items()},
+            **extras,
+            "charts/global_step": global_step,
+            "charts/learning_rate": args.learning_rate,
+            "perf/images_per_sec": images_per_epoch / sampling_seconds,
+            "perf/epoch_seconds": epoch_seconds,
+            "perf/max_mem_gb": max_mem_gb})
         if epoch + 1 == args.epochs:
             metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
         log(metrics, epoch)
         if rank == 0 and (group_std == 0).all():  # warnings.warn shows this once per run
-            warnings.warn("an epoch where every group's rewards are all equal: zero advantages, nothing to learn")
+            warnings.warn("an epoch where every group's rewards are all equal: "
+                          "zero advantages, nothing to learn")
         if rank == 0:
-            print(f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± {metrics['reward/std']:.4f} | policy "
-                  f"{metrics['losses/policy_loss']:.3e} kl {metrics.get('losses/kl', 0.0):.3e} | r_theta "
-                  f"{metrics['losses/r_theta']:.1e} | decay old {old_decay:.3f} sampling {sampling_decay:.3f} "
-                  f"| {metrics['perf/images_per_sec']:.2f} img/s | {epoch_seconds:.0f}s"
-                  + (f" | eval {metrics['eval/reward_mean']:.4f}" if "eval/reward_mean" in metrics else ""))
+            line = (f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± "
+                    f"{metrics['reward/std']:.4f} | {summary} | "
+                    f"{metrics['perf/images_per_sec']:.2f} img/s | {epoch_seconds:.0f}s")
+            if "eval/reward_mean" in metrics:
+                line += f" | eval {metrics['eval/reward_mean']:.4f}"
+            print(line)
         if (epoch + 1) % args.save_every == 0 or epoch + 1 == args.epochs:
             if rank == 0:
-                save_checkpoint(os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}"), transformer,
-                                lora_params, ema_params, optimizer, epoch + 1, global_step, args,
-                                extra={"old": [o.cpu() for o in old_params], "sampling": [s.cpu() for s in sampling_params]})
+                path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
+                save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
+                                optimizer, epoch + 1, global_step, args)
             if world > 1:
                 dist.barrier()
     executor.shutdown()
