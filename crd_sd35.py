@@ -1,34 +1,34 @@
-"""Centered Reward Distillation on Stable Diffusion 3.5 Medium: the LoRA's implicit reward,
-centered per prompt, regresses onto the centered external reward.
+"""Centered Reward Distillation on Stable Diffusion 3.5 Medium: the LoRA's implicit
+reward, centered per prompt, regresses onto the centered external reward.
 
 Paper: Centered Reward Distillation (CRD), https://arxiv.org/abs/2603.14128
 
-Forward-process RL: ODE rollouts of a "sampling" LoRA snapshot keep only the final latents,
-training re-noises them; the implicit reward is the LoRA's flow-matching-error gap to an "old"
-snapshot; a KL holds the LoRA near the base model with CFG. The defaults are the paper's OCR
-run (Table 3, as upstream's PR #121 maps it), rescaled to any GPU count:
-    torchrun --nproc_per_node 8 crd_sd35.py --kl-beta 0.1 --train-prompts ocr/train.txt \
-        --test-prompts ocr/test.txt
+Forward-process RL: rollouts keep only their final latents, which training re-noises.
+A "sampling" snapshot of the LoRA rolls out, an "old" one is the implicit reward's
+reference, and a KL holds the LoRA near the base model with CFG. The defaults are the
+paper's OCR run (Table 3, as upstream's PR #121 maps it):
+    torchrun --nproc_per_node 8 crd_sd35.py --kl-beta 0.1 \
+        --train-prompts ocr/train.txt --test-prompts ocr/test.txt
 
-One-minute CPU demo on the committed toy world (the held-out exact counting accuracy, `eval`,
-rises):
-    python crd_sd35.py --model tests/assets/toy-sd3 --train-prompts tests/assets/toy_train.txt \
-        --test-prompts tests/assets/toy_test.txt --reward tests/toy_rewards.py:counting_partial \
-        --eval-reward tests/toy_rewards.py:counting --resolution 32 --max-sequence-length 24 \
-        --mixed-precision no --eval-num-steps 10 --group-size 16 --prompts-per-epoch 6 \
-        --batch-size 16 --lora-rank 8 --lora-alpha 8 --kl-beta 0 --ema-decay 0 \
-        --num-train-timesteps 5 --learning-rate 3e-3 --epochs 8
+One-minute CPU demo on the toy world (the held-out counting accuracy, `eval`, rises):
+    python crd_sd35.py --model tests/assets/toy-sd3 \
+        --train-prompts tests/assets/toy_train.txt --test-prompts tests/assets/toy_test.txt \
+        --reward tests/toy_rewards.py:counting_partial \
+        --eval-reward tests/toy_rewards.py:counting --resolution 32 \
+        --max-sequence-length 24 --mixed-precision no --eval-num-steps 10 --group-size 16 \
+        --prompts-per-epoch 6 --batch-size 16 --lora-rank 8 --lora-alpha 8 --kl-beta 0 \
+        --ema-decay 0 --num-train-timesteps 5 --learning-rate 3e-3 --epochs 8
 
-Provenance: X-GenGroup/Flow-Factory@a0b2bc5, trainers/crd.py (by the paper's first author)
-unless named.
+Provenance: X-GenGroup/Flow-Factory@a0b2bc5, trainers/crd.py (by the paper's first
+author) unless named.
     group_advantages        advantage/advantage_processor.py (global_std)
     compute_advantages      GDPO, arXiv:2601.05242
-    snapshot_decay          compute_decay; blend_snapshot: _blend_named_params
-    sigma_grid              set_scheduler_timesteps (the grid handed to the SD3 scheduler)
+    snapshot_decay          compute_decay (blend_snapshot: _blend_named_params)
+    sigma_grid              set_scheduler_timesteps
     train_timestep_indices  utils/noise_schedule.py, TimeSampler.discrete
-    crd_implicit_reward     optimize(), step 4 (adaptive_logp)
-    crd_loss                _compute_crd_loss and optimize(), steps 5-7
-    the EMA                 start(): ema_step(epoch), once per epoch
+    crd_implicit_reward     optimize(), step 4
+    crd_loss                _compute_crd_loss, and optimize()'s steps 5 to 7
+    the EMA                 start(): ema_step(epoch)
 """
 
 import glob
@@ -130,9 +130,9 @@ class Args:
     max_sequence_length: int = 256
     """T5 tokens per prompt"""
     num_steps: int = 10
-    """Euler ODE steps per rollout (their sigmas are also the training timesteps)"""
+    """Euler ODE steps per rollout (their sigmas are the training timesteps)"""
     guidance_scale: float = 1.0
-    """CFG scale of rollouts, the trained forward and eval (CRD trains without CFG: 1)"""
+    """CFG scale of rollouts, training and eval (1: CRD trains without CFG)"""
     prompts_per_epoch: int = 48
     """prompts (groups) per epoch, over all GPUs"""
     batch_size: int = 8
@@ -140,33 +140,33 @@ class Args:
     updates_per_epoch: int = 2
     """optimizer steps per epoch"""
     num_train_timesteps: int = 20
-    """timesteps per micro-batch (all its samples share each), stratified over the grid"""
+    """timesteps per micro-batch (shared by its images), stratified over the grid"""
     timestep_range: float = 0.99
     """train on the rollout grid's sigmas >= 1 - timestep_range"""
     adv_clip: float = 5.0
     """advantages are clipped to +-adv_clip, then mapped to [0, 1] (see crd_loss)"""
     crd_beta: float = 1.0
-    """scale of the implicit reward in the regression crd_beta (r - r_mean) ~ (a - a_mean)"""
+    """implicit-reward scale in the regression crd_beta (r - r_mean) ~ a - a_mean"""
     weight_temp: float = -1.0
-    """centering: < 0 uniform; > 0 softmax(+-a / T); 0 hard pools, softmax(a) in a > 0.5, a < 0.5"""
+    """centering: < 0 uniform; > 0 softmax(+-a / T); 0 softmax(a) in pools a > 0.5, a < 0.5"""
     center_by: Literal["group", "batch"] = "group"
-    """centering set: each prompt's part of the gathered micro-batch, or all of it (upstream)"""
+    """centering set: a prompt's part of the gathered micro-batch, or all of it (upstream)"""
     adaptive_logp: bool = True
     """divide each squared velocity error by its detached per-sample mean |error|"""
     old_decay: str = "0-0.25-0.005-0.999"
     """schedule "S-v0-k-vmax" of the old snapshot, the implicit reward's reference"""
     sampling_decay: str = "75-0.0-0.0075-0.999"
-    """schedule of the sampling snapshot, which rolls out (decay <= 0: a copy, on-policy)"""
+    """schedule of the snapshot that rolls out (decay <= 0: a copy, on-policy)"""
     kl_beta: float = 0.1
     """weight of the KL to the base model with CFG --kl-cfg (see crd_loss)"""
     kl_cfg: float = 4.5
-    """CFG scale of the KL teacher (the base model as it is used at inference)"""
+    """CFG scale of the KL teacher (the base model as used at inference)"""
     reward_adaptive_kl: bool = True
-    """weight each sample's KL by its advantage mapped to [0, 1] (see crd_loss)"""
+    """weight each image's KL by its advantage in [0, 1] (see crd_loss)"""
     ema_decay: float = 0.995
     """EMA decay of the LoRA used for eval and the saved `ema_lora` (0: off)"""
     ema_every: int = 10
-    """the EMA moves every N epochs (warm-up by epochs); 0: after every optimizer step"""
+    """the EMA moves every N epochs, its warm-up counts epochs (0: every step)"""
     eval_every: int = 20
     """evaluate every N epochs (and after the last)"""
     save_every: int = 20
@@ -179,49 +179,49 @@ LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.t
 STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other values of these
 
 
-# ALGO LOGIC: snapshot schedules, the timestep grid, the implicit reward, the CRD loss
+# ALGO LOGIC: snapshot schedules, timesteps, the implicit reward, the CRD loss
 def snapshot_decay(step: int, spec: str) -> float:
-    """The decay after `step` optimizer steps of a schedule "S-v0-k-vmax": v0 before step S,
-    then min(v0 + (step - S) k, vmax)."""
+    """The decay after `step` optimizer steps of the schedule "S-v0-k-vmax":
+    v0 before step S, then min(v0 + (step - S) k, vmax)."""
     number = r"(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"  # 1e-3 has a dash of its own
     match = re.fullmatch(rf"(\d+)-{number}-{number}-{number}", spec.strip())
     if match is None:
-        raise ValueError(f"decay schedule {spec!r} is not 'S-v0-k-vmax' (S an integer), "
-                         "e.g. '75-0.0-0.0075-0.999'")
-    start, v0, slope, vmax = int(match[1]), float(match[2]), float(match[3]), float(match[4])
-    if step < start:
-        return v0
-    return min(v0 + (step - start) * slope, vmax)
+        fail(f"decay schedule {spec!r} is not 'S-v0-k-vmax' (S an integer), "
+             "e.g. '75-0.0-0.0075-0.999'")
+    start, v0 = int(match[1]), float(match[2])
+    slope, vmax = float(match[3]), float(match[4])
+    return v0 if step < start else min(v0 + (step - start) * slope, vmax)
 
 
 def blend_snapshot(snapshot, params, decay: float):
-    """snapshot <- decay snapshot + (1 - decay) params, in place: decay <= 0 copies the params,
-    decay >= 1 keeps the snapshot, both exactly (s x 0 + p, s + 0 p)."""
+    """snapshot <- decay snapshot + (1 - decay) params, in place. decay <= 0
+    copies the params, decay >= 1 keeps the snapshot, both exactly."""
     decay = min(max(decay, 0.0), 1.0)
     for copy, p in zip(snapshot, params):
         copy.mul_(decay).add_(p.detach(), alpha=1 - decay)
 
 
 def sigma_grid(num_steps: int, shift: float) -> torch.Tensor:
-    """(T+1,) upstream's rollout grid: SD3's shift of linspace(1, 1/T, T), then 0."""
+    """(T+1,) the rollout grid: SD3's shift of linspace(1, 1/T, T), then 0."""
     u = torch.linspace(1, 1 / num_steps, num_steps, dtype=torch.float64)
     return torch.cat([shift_sigmas(u, shift), u.new_zeros(1)]).float()
 
 
-def train_timestep_indices(num_eligible: int, num_train: int, generator) -> torch.Tensor:
-    """(num_train,) indices into the eligible grid points, stratified: draw j of T falls in
-    [j n / T, (j + 1) n / T), n = num_eligible."""
+def train_timestep_indices(num_eligible: int, num_train: int, generator):
+    """(T,) indices into n eligible grid points, stratified: draw j of T = num_train
+    falls in [j n / T, (j + 1) n / T)."""
     offsets = torch.rand(num_train, generator=generator, device=generator.device)
     strata = torch.arange(num_train, device=offsets.device) + offsets
     return (strata * num_eligible / num_train).floor().long()
 
 
-def crd_implicit_reward(v, v_old, target, adaptive: bool = True) -> torch.Tensor:
-    """The implicit reward (B,): -mean(err^2 / scale - err_old^2 / scale_old), err = v - target
-    and err_old = v_old - target the flow-matching errors (B, C, h, w) of the LoRA and of the
-    old snapshot, a per-timestep estimate of log p(x0) - log p_old(x0): 0 while they agree.
-    adaptive: scale is the detached per-sample mean |err| (>= 1e-5), which weighs every
-    timestep alike, as DiffusionNFT does; else 1. The gradient flows through v only."""
+def crd_implicit_reward(v, v_old, target, adaptive: bool = True):
+    """The implicit reward (B,) -mean(err^2 / scale - err_old^2 / scale_old), where
+    err = v - target and err_old = v_old - target are the flow-matching errors
+    (B, C, h, w) of the LoRA and of the old snapshot: an estimate of log p(x0) -
+    log p_old(x0), 0 while the two agree. adaptive: a scale is its error's detached
+    per-sample mean |error| (>= 1e-5), so that images and timesteps with large
+    errors do not dominate; else 1. The gradient flows through v only."""
     dims = tuple(range(1, v.dim()))
     err = v.double() - target.double()
     err_old = v_old.detach().double() - target.double()
@@ -233,21 +233,22 @@ def crd_implicit_reward(v, v_old, target, adaptive: bool = True) -> torch.Tensor
 
 
 def centering_weights(targets, weight_temp: float) -> list[torch.Tensor]:
-    """The weightings (n,) of one centering set's means; crd_loss averages over them. The three
-    modes of --weight-temp T, by its sign:"""
+    """The weightings (n,) of a centering set's means; crd_loss averages over them.
+    --weight-temp T picks one of three modes:"""
     uniform = torch.full_like(targets, 1 / len(targets))
     if weight_temp < 0:  # uniform: the plain mean
         return [uniform]
-    if weight_temp > 0:  # one centering near the good samples, one near the bad ones
+    if weight_temp > 0:  # one centering near the good images, one near the bad
         return [torch.softmax(targets / weight_temp, dim=0),
                 torch.softmax(-targets / weight_temp, dim=0)]
-    # T == 0, "hard pools": softmax(a) over the good samples (a > 0.5: advantage > 0), and over
-    # the bad ones (a < 0.5); an empty pool is uniform. Upstream splits the mapped a at 0
-    # instead, which every a exceeds.
+    # T == 0, "hard pools": softmax(a) over the good images (a > 0.5, that is
+    # advantage > 0), then over the bad (a < 0.5); an empty pool is uniform.
+    # Upstream splits at a = 0, below every mapped a.
     weightings = []
     for pool in (targets > 0.5, targets < 0.5):
         if pool.any():
-            weightings.append(torch.softmax(targets.masked_fill(~pool, -math.inf), dim=0))
+            pooled = targets.masked_fill(~pool, -math.inf)
+            weightings.append(torch.softmax(pooled, dim=0))
         else:
             weightings.append(uniform)
     return weightings
@@ -255,26 +256,28 @@ def centering_weights(targets, weight_temp: float) -> list[torch.Tensor]:
 
 def crd_loss(r_local, r_gathered, advantages, group_ids, rank, world, v, v_teacher,
              accum_steps, crd_beta, weight_temp, adv_clip, kl_beta, reward_adaptive_kl):
-    """One micro-step's loss; returns (loss to backward, policy loss, KL loss, KL (B,) or None).
+    """One micro-step's loss; returns (loss to backward, policy loss, KL loss, KL).
 
-    The N = W*B samples of all ranks' micro-batches share the micro-step's timestep.
-    r_gathered, advantages, group_ids: (N,) in rank order; r_local: (B,) this rank's implicit
-    rewards with their gradient; v, v_teacher: (B, C, h, w) (v_teacher None: no KL).
-    - targets a = clip(A, +-adv_clip) / (2 adv_clip) + 0.5: the advantages mapped to [0, 1];
-    - the residuals crd_beta (r - r_mean) - (a - a_mean) within each centering set (equal
-      group_ids: a prompt), r_mean detached: the optimum's reward beta log(p / p_ref) +
-      beta log Z(c) has an unknown log Z(c) per prompt, which centering cancels;
-    - policy loss: the mean squared residual over the N, x adv_clip / crd_beta: while the
-      LoRA equals the old snapshot (r = 0), its gradient per r_i is -(clip(A_i) - their mean)
-      / N, advantage-weighted flow matching whatever crd_beta and adv_clip;
-    - x world: only this rank's B of the N rewards carry gradient (the others are copies) and
-      optimizer_step averages the ranks' gradients: the average is then the gradient of the
-      whole micro-step's loss;
-    - + kl_beta mean(w mean((v - v_teacher)^2)), w = c + a (1 - c), c = 1e-4 / kl_beta with
-      reward_adaptive_kl, else 1: good samples stay near the CFG teacher, bad ones may leave;
-    - / accum_steps: an optimizer step adds up accum_steps micro-steps' gradients."""
-    targets = (advantages.clamp(-adv_clip, adv_clip) / (2 * adv_clip) + 0.5).to(v.device)
-    mine = torch.arange(rank * len(r_local), (rank + 1) * len(r_local), device=v.device)
+    r_gathered, advantages, group_ids: (N,), the N = W*B images of micro-batch s of
+    every rank, in rank order, at one timestep; r_local: (B,) this rank's implicit
+    rewards, with their gradient; v, v_teacher: (B, C, h, w) (None: no KL, KL None).
+    - a = clip(A, +-adv_clip) / (2 adv_clip) + 0.5 maps the advantages to [0, 1];
+    - residuals crd_beta (r - r_mean) - (a - a_mean) per centering set (equal ids),
+      r_mean detached. An optimum's reward is beta log(p / p_ref) + beta log Z(c):
+      centering within a prompt c cancels the unknown log Z(c);
+    - their mean square x adv_clip / crd_beta: at r = 0 (LoRA == old snapshot) the
+      gradient per r_i is then -(clip(A_i) - its set's mean) / N, the advantage at
+      its own scale whatever crd_beta and adv_clip;
+    - x world: a rank's backward reaches only its own B of the N rewards (the rest
+      are gathered copies) and optimizer_step averages the ranks' gradients: x world
+      makes that average the gradient of the loss over all N;
+    - + kl_beta x the KL to the CFG teacher, each image's weighted by c + a (1 - c),
+      c = 1e-4 / kl_beta (1 without reward_adaptive_kl): good images stay near it;
+    - / accum_steps: an optimizer step adds up accum_steps micro-steps."""
+    targets = advantages.clamp(-adv_clip, adv_clip) / (2 * adv_clip) + 0.5
+    targets = targets.to(r_local.device)
+    start = rank * len(r_local)
+    mine = torch.arange(start, start + len(r_local), device=r_local.device)
     r_theta = r_gathered.index_copy(0, mine, r_local)  # (N,)
     total = r_theta.new_zeros(())
     for group in group_ids.unique():
@@ -286,7 +289,7 @@ def crd_loss(r_local, r_gathered, advantages, group_ids, rank, world, v, v_teach
             residuals = crd_beta * (r_set - r_mean) - (a_set - a_mean)
             total = total + (residuals**2).sum() / len(weightings)
     policy_loss = total / len(r_theta) * adv_clip / crd_beta
-    kl_loss, kl = torch.zeros((), device=v.device), None
+    kl_loss, kl = torch.zeros((), device=r_local.device), None
     if v_teacher is not None:
         kl = ((v - v_teacher) ** 2).mean(dim=tuple(range(1, v.dim())))  # (B,)
         weight = 1.0
@@ -294,7 +297,8 @@ def crd_loss(r_local, r_gathered, advantages, group_ids, rank, world, v, v_teach
             floor = 1e-4 / kl_beta
             weight = floor + targets[mine] * (1 - floor)
         kl_loss = kl_beta * (weight * kl).mean()
-    return (world * policy_loss + kl_loss) / accum_steps, policy_loss, kl_loss, kl
+    loss = (world * policy_loss + kl_loss) / accum_steps
+    return loss, policy_loss, kl_loss, kl
 
 
 # TRY NOT TO MODIFY: helpers shared verbatim by the SD3.5 scripts
@@ -587,19 +591,16 @@ if __name__ == "__main__":
     if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
         run_dir = os.path.dirname(parent)  # a resumed run continues in its own directory
 
-    # ALGO LOGIC: from images to optimizer steps. The defaults on 8 GPUs: 48 prompts x 24 images
-    # = 1152 images, 144 per GPU, in 18 micro-batches of 8. Image i shows prompt i // 24, and
-    # micro-batch s of the 8 GPUs holds images 64 s to 64 s + 63, GPU k the 8 from 64 s + 8 k:
-    # micro-batch 1 is prompt 2's last 8 images (GPU 0), prompts 3 and 4 (GPUs 1-6) and prompt
-    # 5's first 8 (GPU 7). crd_loss centers each prompt's part of these 64 images, at least
-    # gcd(24, 64) = 8 of them. A micro-batch trains 20 timesteps, the same on every GPU, a
-    # forward and backward each (a micro-step). 2 updates per epoch: an optimizer step every
-    # 9 micro-batches x 20 = 180 micro-steps (accum_steps), averaged over the 8 GPUs.
-    for spec in (args.old_decay, args.sampling_decay):
-        try:
-            snapshot_decay(0, spec)
-        except ValueError as error:
-            fail(str(error))
+    # ALGO LOGIC: from images to optimizer steps. The defaults on 8 GPUs: 48 prompts x 24
+    # images = 1152 images, 144 per GPU, in 18 micro-batches of 8. Image i shows prompt
+    # i // 24; the 8 GPUs' micro-batches s hold images 64 s to 64 s + 63, GPU k's the 8
+    # from 64 s + 8 k. So micro-batches 1 are prompt 2's last 8 images (GPU 0), prompts 3
+    # and 4 (GPUs 1-6) and prompt 5's first 8 (GPU 7): crd_loss centers each prompt's part,
+    # of at least gcd(24, 64) = 8 images. Each micro-batch trains 20 timesteps, the same on
+    # every GPU, a forward and backward each (a micro-step). 2 updates per epoch: an
+    # optimizer step every 9 micro-batches x 20 = 180 micro-steps (accum_steps).
+    snapshot_decay(0, args.old_decay)  # a malformed schedule fails now
+    snapshot_decay(0, args.sampling_decay)
     if args.num_train_timesteps < 1 or args.timestep_range <= 0:
         fail(f"--num-train-timesteps {args.num_train_timesteps} and --timestep-range "
              f"{args.timestep_range} must be > 0")
@@ -609,8 +610,8 @@ if __name__ == "__main__":
              "or --batch-size")
     if args.center_by == "group" and math.gcd(args.group_size, world * args.batch_size) < 2:
         fail(f"--group-size {args.group_size} and {world} GPUs x --batch-size "
-             f"{args.batch_size} leave a prompt with a single image in some micro-step, which "
-             "group centering cannot use; make them share a factor >= 2")
+             f"{args.batch_size} leave a prompt with a single image in some micro-step, "
+             "which group centering cannot use; make them share a factor >= 2")
     accum_steps = num_batches // args.updates_per_epoch * args.num_train_timesteps
     if rank == 0:
         devices = "GPU(s)" if device.type == "cuda" else "process(es)"
@@ -648,15 +649,17 @@ if __name__ == "__main__":
         neg = encode(pipe, [""], device, args.max_sequence_length)  # the CFG prompt, once
 
     # ALGO LOGIC: the sigma grids, eval's CFG scale, the LoRA snapshots the algorithm keeps
-    sigmas = sigma_grid(args.num_steps, pipe.scheduler.config.shift).to(device)  # (T+1,)
-    train_sigmas = sigmas[:-1][sigmas[:-1] >= 1 - args.timestep_range]  # (n,) with sigma 1
-    eval_sigmas = sigma_grid(args.eval_num_steps, pipe.scheduler.config.shift).to(device)
+    shift = pipe.scheduler.config.shift
+    sigmas = sigma_grid(args.num_steps, shift).to(device)  # (T+1,) from 1 to 0
+    eval_sigmas = sigma_grid(args.eval_num_steps, shift).to(device)
     eval_guidance_scale = args.guidance_scale
+    train_sigmas = sigmas[:-1][sigmas[:-1] >= 1 - args.timestep_range]  # (n,)
     if rank == 0 and args.num_train_timesteps > len(train_sigmas):
         eligible = [round(sigma, 4) for sigma in train_sigmas.tolist()]
         print(f"note: --num-train-timesteps {args.num_train_timesteps} > {len(eligible)} "
-              f"eligible grid points {eligible}: each is trained several times per micro-batch")
-    # fp32 copies of the LoRA: "old" is the implicit reward's reference, "sampling" rolls out
+              f"eligible grid points {eligible}: each is trained several times per "
+              "micro-batch")
+    # fp32 copies of the LoRA: the implicit reward's reference, and the one that rolls out
     old_params = [p.detach().clone() for p in lora_params]
     sampling_params = [p.detach().clone() for p in lora_params]
     snapshots = {"old": old_params, "sampling": sampling_params}
@@ -743,11 +746,11 @@ if __name__ == "__main__":
         else:
             chosen = torch.randint(num_prompts, (per_epoch,), generator=prompt_gen)
 
-        # ALGO LOGIC: sampling with the sampling snapshot: Euler ODE, only the final latents x0
-        # are kept. The layout is the one `from images to optimizer steps` describes.
-        image_ids = torch.arange(images_per_epoch).view(num_batches, world, args.batch_size)
-        group_ids = image_ids.transpose(0, 1).flatten() // args.group_size  # (P*G,) rank order
-        my_groups = group_ids.view(world, num_batches, args.batch_size)[rank]
+        # ALGO LOGIC: sampling by the sampling snapshot, Euler ODE; only the final latents
+        # x0 are kept. The layout is the one of `from images to optimizer steps`.
+        image_ids = torch.arange(images_per_epoch).view(num_batches, world, -1)
+        group_ids = image_ids.transpose(0, 1).flatten() // args.group_size  # (P*G,)
+        my_groups = group_ids.view(world, num_batches, -1)[rank]
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
         transformer.eval()
         batches, futures = [], []
@@ -760,8 +763,8 @@ if __name__ == "__main__":
                 cond = (*encode(pipe, prompts, device, args.max_sequence_length), *neg)
                 noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen,
                                     device=device)
-                x0 = rollout(transformer, noise, sigmas, "ode", 0.0, *cond, args.guidance_scale,
-                             autocast, None)[3]  # (B, C, h, w)
+                x0 = rollout(transformer, noise, sigmas, "ode", 0.0, *cond,
+                             args.guidance_scale, autocast, None)[3]  # (B, C, h, w)
                 images = decode(pipe.vae, x0).cpu()
                 futures.append(executor.submit(reward_fn, images, prompts, meta))
                 batches.append((cond, x0))
@@ -784,19 +787,21 @@ if __name__ == "__main__":
         group_std = torch.stack([all_rewards[group_ids == group].std(unbiased=False)
                                  for group in range(args.prompts_per_epoch)])
 
-        # ALGO LOGIC: training. A micro-step re-noises a micro-batch's x0 at one timestep of the
-        # grid and backpropagates crd_loss on the velocities of the LoRA, the old snapshot and
-        # (for the KL) the base model with CFG.
+        # ALGO LOGIC: training. A micro-step re-noises a micro-batch's x0 at one sigma of
+        # the grid and backpropagates crd_loss of the velocities there of the LoRA, the old
+        # snapshot and, for the KL, the base model with CFG.
+        # (steps, W*B): the images of every rank's micro-batch s, in rank order
         step_advantages = advantages.view(world, num_batches, -1).transpose(0, 1).flatten(1)
         step_groups = group_ids.view(world, num_batches, -1).transpose(0, 1).flatten(1)
         if args.center_by == "batch":  # one centering set: all of a micro-step's images
             step_groups = torch.zeros_like(step_groups)
-        step_groups = step_groups.to(device)  # (steps, W*B) like step_advantages
+        step_groups = step_groups.to(device)
         transformer.train()
-        time_gen = seeded_generator(device, args.seed, epoch, 1)  # the same on every rank
-        train_gen = seeded_generator(device, args.seed, epoch, rank, 1)  # this rank's noise
+        # the same timesteps on every rank: a micro-step's W*B images share one
+        time_gen = seeded_generator(device, args.seed, epoch, 1)
+        train_gen = seeded_generator(device, args.seed, epoch, rank, 1)
         stats = {"policy_loss": [], "kl_loss": [], "r_theta": [], "old_deviate": []}
-        if args.kl_beta > 0:  # measured against the CFG teacher, which only the KL needs
+        if args.kl_beta > 0:  # the teacher's velocity is only computed for a KL
             stats.update({"kl": [], "old_kl": []})
         first_r_theta_abs, micro_step = float("nan"), 0
         progress = tqdm(batches, f"epoch {epoch} training", disable=quiet, leave=False)
@@ -807,21 +812,23 @@ if __name__ == "__main__":
                 noise = torch.randn(x0.shape, generator=train_gen, device=device)
                 x_t, target = (1 - sigma) * x0 + sigma * noise, noise - x0
                 with torch.no_grad(), autocast, swapped(lora_params, old_params):
-                    v_old = predict_velocity(transformer, x_t, sigma, *cond, args.guidance_scale)
+                    v_old = predict_velocity(transformer, x_t, sigma, *cond,
+                                             args.guidance_scale)
                 v_teacher = None
                 if args.kl_beta > 0:
                     with torch.no_grad(), autocast, adapters_disabled(transformer):
-                        v_teacher = predict_velocity(transformer, x_t, sigma, *cond, args.kl_cfg)
+                        v_teacher = predict_velocity(transformer, x_t, sigma, *cond,
+                                                     args.kl_cfg)
                 with autocast:
                     v = predict_velocity(transformer, x_t, sigma, *cond, args.guidance_scale)
                 r_local = crd_implicit_reward(v, v_old, target, args.adaptive_logp)  # (B,)
                 r_gathered = all_gather_cat(r_local.detach(), world)  # (W*B,)
                 loss, policy_loss, kl_loss, kl = crd_loss(
-                    r_local, r_gathered, step_advantages[step], step_groups[step], rank, world,
-                    v, v_teacher, accum_steps, args.crd_beta, args.weight_temp, args.adv_clip,
-                    args.kl_beta, args.reward_adaptive_kl)
+                    r_local, r_gathered, step_advantages[step], step_groups[step], rank,
+                    world, v, v_teacher, accum_steps, args.crd_beta, args.weight_temp,
+                    args.adv_clip, args.kl_beta, args.reward_adaptive_kl)
                 scaler.scale(loss).backward()
-                if micro_step == 0:  # r is exactly 0 while old == LoRA (epoch 0, decay 0)
+                if micro_step == 0:  # exactly 0 while the old snapshot is the LoRA
                     first_r_theta_abs = r_local.abs().max().item()
                 stats["policy_loss"].append(policy_loss.item())
                 stats["kl_loss"].append(kl_loss.item())
@@ -839,7 +846,7 @@ if __name__ == "__main__":
                     if args.ema_every == 0 or args.ema_decay == 0:  # decay 0: EMA = LoRA
                         decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))
                         blend_snapshot(ema_params, lora_params, decay)
-        # As upstream, the EMA moves once every ema_every epochs, its warm-up counts epochs
+        # As upstream, the EMA moves every ema_every epochs; its warm-up counts epochs
         if args.ema_decay > 0 and args.ema_every > 0 and (epoch + 1) % args.ema_every == 0:
             decay = min(args.ema_decay, (1 + epoch) / (10 + epoch))
             blend_snapshot(ema_params, lora_params, decay)

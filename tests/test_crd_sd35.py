@@ -1,5 +1,6 @@
-"""crd_sd35.py: hand-computed implicit reward, centered loss (every weight_temp mode, group vs batch centering), KL,
-decay schedules, then end-to-end runs on the tiny offline SD3 pipeline."""
+"""crd_sd35.py: hand-computed implicit reward and CRD loss (every --weight-temp mode, group
+vs batch centering, the rank and accumulation factors, the KL), decay schedules, then
+end-to-end runs on the tiny offline SD3 pipeline."""
 
 import math
 from pathlib import Path
@@ -7,26 +8,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from crd_sd35 import (blend_snapshot, crd_implicit_reward, crd_kl, crd_loss, sigma_grid, snapshot_decay,
-                       train_timestep_indices)
-from scripts_harness import (TOY_REWARD, assert_bad_input, assert_common_run, assert_eval_only_reproduces,
-                             lora_tensors, read_metrics, run_script, tiny_sd35_flags)
-from scripts_harness import TOY_SD3, assert_accuracy_rose, cut_back_copy, toy_flags
+from crd_sd35 import (blend_snapshot, crd_implicit_reward, crd_loss, sigma_grid,
+                      snapshot_decay, train_timestep_indices)
+from scripts_harness import (TOY_REWARD, TOY_SD3, assert_accuracy_rose, assert_bad_input,
+                             assert_common_run, assert_eval_only_reproduces, cut_back_copy,
+                             lora_tensors, read_metrics, run_script, tiny_sd35_flags, toy_flags)
 
 SCRIPT = "crd_sd35.py"
 
 
-# ---- units: implicit reward ----------------------------------------------------------------------------------------
+# ---- units: implicit reward ----------------------------------------------------------------
 def test_implicit_reward_by_hand():
     target = torch.tensor([[1.0, -1.0]])
     v, v_old = torch.tensor([[3.0, -1.0]]), torch.tensor([[0.0, 0.0]])
     # e = (2, 0): mean sq 2, mean |e| 1;  e_old = (-1, 1): mean sq 1, mean |e_old| 1
-    assert crd_implicit_reward(v, v_old, target, adaptive=False).item() == pytest.approx(-(2.0 - 1.0))
+    reward = crd_implicit_reward(v, v_old, target, adaptive=False)
+    assert reward.item() == pytest.approx(-(2.0 - 1.0))
     assert crd_implicit_reward(v, v_old, target).item() == pytest.approx(-(2.0 / 1.0 - 1.0 / 1.0))
     v_old = torch.tensor([[1.0, 1.0]])  # e_old = (0, 2): mean sq 2, mean |e_old| 1 -> 2 / 1
     v = torch.tensor([[5.0, -1.0]])  # e = (4, 0): mean sq 8, mean |e| 2 -> 8 / 2
     assert crd_implicit_reward(v, v_old, target).item() == pytest.approx(-(4.0 - 2.0))
-    assert crd_implicit_reward(v, v_old, target, adaptive=False).item() == pytest.approx(-(8.0 - 2.0))
+    reward = crd_implicit_reward(v, v_old, target, adaptive=False)
+    assert reward.item() == pytest.approx(-(8.0 - 2.0))
 
 
 def test_implicit_reward_is_zero_at_old_and_its_gradient_is_normalised_flow_matching():
@@ -40,14 +43,22 @@ def test_implicit_reward_is_zero_at_old_and_its_gradient_is_normalised_flow_matc
     err = u - target
     (-((err**2).mean(dim=(1, 2, 3)) / err.detach().abs().mean(dim=(1, 2, 3)))).sum().backward()
     assert torch.allclose(v.grad, u.grad, atol=1e-6)
-    zero = crd_implicit_reward(target.clone(), target.clone(), target)  # zero error: the 1e-5 floor keeps it finite
+    # zero error: the 1e-5 floor keeps it finite
+    zero = crd_implicit_reward(target.clone(), target.clone(), target)
     assert torch.equal(zero, torch.zeros(3))
 
 
-# ---- units: centered loss ------------------------------------------------------------------------------------------
+# ---- units: the CRD loss -------------------------------------------------------------------
 R = torch.tensor([0.3, -0.1, 0.1])
-A = torch.tensor([0.9, 0.3, 0.6])
+ADVANTAGES = torch.tensor([4.0, -2.0, 1.0])
+A = torch.tensor([0.9, 0.3, 0.6])  # ADVANTAGES / (2 x adv_clip 5) + 0.5
 ONE_GROUP = torch.zeros(3, dtype=torch.long)
+
+
+def policy(r, advantages, group_ids, crd_beta=1.0, weight_temp=-1.0, adv_clip=5.0):
+    """crd_loss's policy loss on one process, without KL and accumulation."""
+    return crd_loss(r, r.detach(), advantages, group_ids, 0, 1, None, None, 1, crd_beta,
+                    weight_temp, adv_clip, 0.0, False)[1]
 
 
 def centered_sq(r, a, p, beta):
@@ -59,18 +70,25 @@ def test_crd_loss_uniform_by_hand():
     # r_bar = 0.1, a_bar = 0.6: d = beta (0.2, -0.2, 0) - (0.3, -0.3, 0)
     for beta in (1.0, 2.0):
         want = ((beta * 0.2 - 0.3) ** 2 * 2) / 3 * 5.0 / beta
-        assert crd_loss(R, A, ONE_GROUP, crd_beta=beta).item() == pytest.approx(want, rel=1e-5)
-    assert crd_loss(R, A, ONE_GROUP, adv_clip=2.0).item() == pytest.approx(0.01 * 2 / 3 * 2.0, rel=1e-5)
+        assert policy(R, ADVANTAGES, ONE_GROUP, crd_beta=beta).item() == pytest.approx(want,
+                                                                                      rel=1e-5)
+    # adv_clip 2 clips 4 to 2: a = (1, 0, 0.75), a_bar = 7 / 12; the scale is x 2 / 1
+    a = torch.tensor([1.0, 0.0, 0.75])
+    want = centered_sq(R, a, torch.full((3,), 1 / 3), 1.0) / 3 * 2.0
+    assert policy(R, ADVANTAGES, ONE_GROUP, adv_clip=2.0).item() == pytest.approx(want.item(),
+                                                                                 rel=1e-5)
 
 
 def test_crd_loss_softmax_mode_by_hand():
     tau = 0.5
     plus, minus = torch.softmax(A / tau, 0), torch.softmax(-A / tau, 0)
     want = 0.5 * (centered_sq(R, A, plus, 1.0) + centered_sq(R, A, minus, 1.0)) / 3 * 5.0
-    assert crd_loss(R, A, ONE_GROUP, weight_temp=tau).item() == pytest.approx(want.item(), rel=1e-5)
+    got = policy(R, ADVANTAGES, ONE_GROUP, weight_temp=tau)
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
     # a huge temperature is the uniform mode
-    uniform = crd_loss(R, A, ONE_GROUP).item()
-    assert crd_loss(R, A, ONE_GROUP, weight_temp=1e6).item() == pytest.approx(uniform, rel=1e-4)
+    uniform = policy(R, ADVANTAGES, ONE_GROUP).item()
+    got = policy(R, ADVANTAGES, ONE_GROUP, weight_temp=1e6)
+    assert got.item() == pytest.approx(uniform, rel=1e-4)
 
 
 def test_crd_loss_hard_pools_split_at_one_half():
@@ -79,67 +97,110 @@ def test_crd_loss_hard_pools_split_at_one_half():
     plus = torch.tensor([e9 / (e9 + e6), 0.0, e6 / (e9 + e6)])
     minus = torch.tensor([0.0, 1.0, 0.0])
     want = 0.5 * (centered_sq(R, A, plus, 1.0) + centered_sq(R, A, minus, 1.0)) / 3 * 5.0
-    assert crd_loss(R, A, ONE_GROUP, weight_temp=0.0).item() == pytest.approx(want.item(), rel=1e-5)
-    # no a < 0.5: that pool falls back to uniform weights
+    got = policy(R, ADVANTAGES, ONE_GROUP, weight_temp=0.0)
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    # no a < 0.5 (advantages 4, 2, 1): that pool falls back to uniform weights
     a = torch.tensor([0.9, 0.7, 0.6])
     e7 = math.exp(0.7)
     plus = torch.tensor([e9, e7, e6]) / (e9 + e7 + e6)
-    want = 0.5 * (centered_sq(R, a, plus, 1.0) + centered_sq(R, a, torch.full((3,), 1 / 3), 1.0)) / 3 * 5.0
-    assert crd_loss(R, a, ONE_GROUP, weight_temp=0.0).item() == pytest.approx(want.item(), rel=1e-5)
+    uniform = torch.full((3,), 1 / 3)
+    want = 0.5 * (centered_sq(R, a, plus, 1.0) + centered_sq(R, a, uniform, 1.0)) / 3 * 5.0
+    got = policy(R, torch.tensor([4.0, 2.0, 1.0]), ONE_GROUP, weight_temp=0.0)
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
 
 
 @pytest.mark.parametrize("weight_temp", [-1.0, 0.0, 0.7])
 def test_group_centering_is_per_group_and_equals_batch_centering_for_one_group(weight_temp):
     torch.manual_seed(1)
-    r, a = torch.randn(6), torch.rand(6)
+    r, advantages = torch.randn(6), 2 * torch.randn(6)
     ids = torch.tensor([0, 1, 0, 1, 1, 0])
     g0, g1 = ids == 0, ids == 1
-    want = (3 * crd_loss(r[g0], a[g0], ONE_GROUP, 1.5, weight_temp) + 3 * crd_loss(r[g1], a[g1], ONE_GROUP, 1.5,
-                                                                                   weight_temp)) / 6
-    assert crd_loss(r, a, ids, 1.5, weight_temp).item() == pytest.approx(want.item(), rel=1e-5)
-    batch = crd_loss(r, a, torch.zeros(6, dtype=torch.long), 1.5, weight_temp)
-    assert batch.item() != pytest.approx(want.item(), rel=1e-3)  # two prompts: centering sets matter
+    part0 = policy(r[g0], advantages[g0], ONE_GROUP, 1.5, weight_temp)
+    part1 = policy(r[g1], advantages[g1], ONE_GROUP, 1.5, weight_temp)
+    want = (3 * part0 + 3 * part1) / 6
+    assert policy(r, advantages, ids, 1.5, weight_temp).item() == pytest.approx(want.item(),
+                                                                               rel=1e-5)
+    batch = policy(r, advantages, torch.zeros(6, dtype=torch.long), 1.5, weight_temp)
+    assert batch.item() != pytest.approx(want.item(), rel=1e-3)  # two prompts: sets matter
     same_ids = torch.full((6,), 7)
-    assert crd_loss(r, a, same_ids, 1.5, weight_temp).item() == pytest.approx(batch.item(), rel=1e-6)
+    got = policy(r, advantages, same_ids, 1.5, weight_temp)
+    assert got.item() == pytest.approx(batch.item(), rel=1e-6)
 
 
 def test_crd_gradient_at_old_is_the_centered_advantage():
-    # r = 0 (current == old): dL/dr_i = 2 (adv_clip / beta) beta (-(a_i - a_bar)) / N, with r_bar detached
+    # r = 0 (current == old): dL/dr_i = 2 (adv_clip / beta) beta (-(a_i - a_bar)) / N,
+    # with a_i - a_bar = (A_i - A_bar) / (2 adv_clip): the advantage itself, -(A_i - A_bar) / N
     r = torch.zeros(3, requires_grad=True)
-    crd_loss(r, A, ONE_GROUP, crd_beta=0.5).backward()
+    policy(r, ADVANTAGES, ONE_GROUP, crd_beta=0.5).backward()
     assert torch.allclose(r.grad, 2 * 5.0 * -(A - A.mean()) / 3, atol=1e-6)
+    assert torch.allclose(r.grad, -(ADVANTAGES - ADVANTAGES.mean()) / 3, atol=1e-6)
 
 
-# ---- units: KL, schedules, timesteps -------------------------------------------------------------------------------
+def test_ranks_backpropagate_their_part_and_their_mean_is_the_whole_gradient():
+    torch.manual_seed(2)
+    r, advantages = torch.randn(6), 2 * torch.randn(6)
+    ids = torch.tensor([0, 0, 1, 1, 1, 0])  # prompts spread over the two ranks' 3 images
+    whole = r.clone().requires_grad_(True)
+    loss, whole_policy, _, _ = crd_loss(whole, r, advantages, ids, 0, 1, None, None, 4, 1.5,
+                                        -1.0, 5.0, 0.0, False)
+    assert loss.item() == pytest.approx(whole_policy.item() / 4)  # / accum_steps
+    loss.backward()
+    grads = []
+    for rank in range(2):
+        mine = r[3 * rank : 3 * rank + 3].clone().requires_grad_(True)
+        loss, rank_policy, _, _ = crd_loss(mine, r, advantages, ids, rank, 2, None, None, 4,
+                                           1.5, -1.0, 5.0, 0.0, False)
+        assert rank_policy.item() == pytest.approx(whole_policy.item(), rel=1e-6)
+        assert loss.item() == pytest.approx(2 * rank_policy.item() / 4)  # x world / accum
+        loss.backward()
+        grads.append(mine.grad)
+    # optimizer_step averages the ranks' gradients: the gradient of the loss over all 6
+    assert torch.allclose(torch.cat(grads) / 2, whole.grad, atol=1e-7)
+
+
 def test_reward_adaptive_kl_by_hand():
-    v, teacher = torch.tensor([[1.0, 3.0], [0.0, 0.0]]), torch.tensor([[0.0, 1.0], [0.0, 2.0]])
+    v = torch.tensor([[1.0, 3.0], [0.0, 0.0]])
+    teacher = torch.tensor([[0.0, 1.0], [0.0, 2.0]])
     kl_per = torch.tensor([2.5, 2.0])  # mean squared gaps
-    a = torch.tensor([1.0, 0.0])
-    loss, kl = crd_kl(v, teacher, a, kl_beta=0.1, reward_adaptive=True)
+    advantages = torch.tensor([5.0, -5.0])  # mapped to a = 1 and a = 0
+    r, ids = torch.zeros(2), torch.zeros(2, dtype=torch.long)
+
+    def kl_terms(v_teacher, kl_beta, reward_adaptive):
+        return crd_loss(r, r, advantages, ids, 0, 1, v, v_teacher, 1, 1.0, -1.0, 5.0, kl_beta,
+                        reward_adaptive)
+
+    loss, policy_loss, kl_loss, kl = kl_terms(teacher, 0.1, True)
     assert torch.allclose(kl, kl_per)
-    c_min = 1e-4 / 0.1  # a = 1 -> weight 1, a = 0 -> weight c_min: per-sample coefficient 0.1 and 1e-4
-    assert loss.item() == pytest.approx(0.1 * (1.0 * 2.5 + c_min * 2.0) / 2, rel=1e-6)
-    loss, _ = crd_kl(v, teacher, a, kl_beta=0.1, reward_adaptive=False)
-    assert loss.item() == pytest.approx(0.1 * 2.25, rel=1e-6)
-    assert crd_kl(v, teacher, a, kl_beta=0.0, reward_adaptive=True)[0].item() == 0.0
+    c_min = 1e-4 / 0.1  # a = 1 -> weight 1, a = 0 -> c_min: per-image coefficients 0.1, 1e-4
+    assert kl_loss.item() == pytest.approx(0.1 * (1.0 * 2.5 + c_min * 2.0) / 2, rel=1e-6)
+    assert loss.item() == pytest.approx(policy_loss.item() + kl_loss.item(), rel=1e-6)
+    _, _, kl_loss, _ = kl_terms(teacher, 0.1, False)
+    assert kl_loss.item() == pytest.approx(0.1 * 2.25, rel=1e-6)
+    _, _, kl_loss, kl = kl_terms(None, 0.0, True)  # no teacher: no KL
+    assert kl_loss.item() == 0.0 and kl is None
 
 
+# ---- units: schedules, timesteps -----------------------------------------------------------
 def test_decay_schedule_strings():
     old, sampling = "0-0.25-0.005-0.999", "75-0.0-0.0075-0.999"  # paper Table 3 (OCR)
     assert snapshot_decay(0, old) == 0.25 and snapshot_decay(2, old) == pytest.approx(0.26)
-    assert snapshot_decay(150, old) == pytest.approx(0.999) and snapshot_decay(10_000, old) == 0.999
+    assert snapshot_decay(150, old) == pytest.approx(0.999)
+    assert snapshot_decay(10_000, old) == 0.999
     assert snapshot_decay(0, sampling) == 0.0 and snapshot_decay(74, sampling) == 0.0
-    assert snapshot_decay(95, sampling) == pytest.approx(0.15) and snapshot_decay(10_000, sampling) == 0.999
-    assert snapshot_decay(3, "2-0.1-1e-3-0.5") == pytest.approx(0.101)  # exponents keep their own dash
+    assert snapshot_decay(95, sampling) == pytest.approx(0.15)
+    assert snapshot_decay(10_000, sampling) == 0.999
+    # exponents keep their own dash
+    assert snapshot_decay(3, "2-0.1-1e-3-0.5") == pytest.approx(0.101)
     assert snapshot_decay(5, "0-1-0-1") == 1.0  # frozen
     for bad in ("0.25-0.005-0.999", "a-0-0-1", "1.5-0-0-1", "0--0.1-0-1", "0-0-0-1-2", "2"):
-        with pytest.raises(ValueError, match="S-v0-k-vmax"):
+        with pytest.raises(SystemExit, match="S-v0-k-vmax"):
             snapshot_decay(0, bad)
 
 
 def test_blend_snapshot_copy_freeze_blend():
     params = [torch.tensor([4.0, 8.0])]
-    for decay, want in [(0.0, [4.0, 8.0]), (-1.0, [4.0, 8.0]), (1.0, [0.0, 0.0]), (0.25, [3.0, 6.0])]:
+    for decay, want in [(0.0, [4.0, 8.0]), (-1.0, [4.0, 8.0]), (1.0, [0.0, 0.0]),
+                        (0.25, [3.0, 6.0])]:
         snap = [torch.zeros(2)]
         blend_snapshot(snap, params, decay)
         assert snap[0].tolist() == want
@@ -147,29 +208,34 @@ def test_blend_snapshot_copy_freeze_blend():
 
 def test_train_timesteps_are_stratified_over_the_grid():
     gen = torch.Generator().manual_seed(0)
-    idx = train_timestep_indices(10, 20, gen)  # the paper's 20 draws over 10 rollout steps: each step exactly twice
+    # the paper's 20 draws over 10 rollout steps: each step exactly twice
+    idx = train_timestep_indices(10, 20, gen)
     assert sorted(idx.tolist()) == sorted(list(range(10)) * 2)
     for _ in range(5):
-        idx = train_timestep_indices(10, 4, gen)  # draw j lies in [2.5 j, 2.5 (j + 1)): one per quarter
-        assert all(math.floor(2.5 * j) <= i < math.ceil(2.5 * (j + 1)) for j, i in enumerate(idx.tolist()))
+        idx = train_timestep_indices(10, 4, gen)  # draw j lies in [2.5 j, 2.5 (j + 1))
+        assert all(math.floor(2.5 * j) <= i < math.ceil(2.5 * (j + 1))
+                   for j, i in enumerate(idx.tolist()))
 
 
-def test_sigma_grid_is_the_ports_shifted_linspace():
+def test_sigma_grid_is_upstreams_shifted_linspace():
     import numpy as np
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    grid = sigma_grid(10, 3.0)  # 3u / (1 + 2u) of u = 1, 0.9, ..., 0.1: 1.0, 27/28 = 0.964, ..., 0.4286, 0.25, then 0
+    # 3u / (1 + 2u) of u = 1, 0.9, ..., 0.1: 1.0, 27/28 = 0.964, ..., 0.4286, 0.25, then 0
+    grid = sigma_grid(10, 3.0)
     assert grid.shape == (11,) and grid[0] == 1.0 and grid[-1] == 0.0
     assert grid[[1, 8, 9]].tolist() == pytest.approx([27 / 28, 0.6 / 1.4, 0.25], abs=1e-6)
-    assert sigma_grid(40, 3.0)[-2].item() == pytest.approx(0.075 / 1.05, abs=1e-6)  # the eval grid ends at 0.071
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)  # what the port hands the SD3 scheduler
+    # the eval grid ends at 0.071
+    assert sigma_grid(40, 3.0)[-2].item() == pytest.approx(0.075 / 1.05, abs=1e-6)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)  # what upstream hands the scheduler
     scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / 10, 10))
     assert torch.allclose(grid, scheduler.sigmas.float(), atol=1e-6)
 
 
-# ---- end to end ----------------------------------------------------------------------------------------------------
+# ---- end to end ----------------------------------------------------------------------------
 def flags(model, out, *extra, precision="no"):
-    return tiny_sd35_flags(model, out, precision) + ["--kl-beta", "0.1", "--num-train-timesteps", "4", *extra]
+    return tiny_sd35_flags(model, out, precision) + ["--kl-beta", "0.1",
+                                                     "--num-train-timesteps", "4", *extra]
 
 
 def snapshot_tensors(checkpoint, key):
@@ -183,42 +249,48 @@ def one_process_run(tiny_sd3, tmp_path_factory):
 
 def test_one_process_run_snapshots_follow_their_schedules(one_process_run):
     metrics = assert_common_run(one_process_run, epochs=2)
-    assert metrics[0]["losses/first_r_theta_abs"] == 0.0  # old == current before the first update
+    assert metrics[0]["losses/first_r_theta_abs"] == 0.0  # old == current before an update
     assert metrics[1]["losses/first_r_theta_abs"] > 0 and metrics[1]["losses/old_deviate"] > 0
     assert metrics[1]["losses/kl"] > 0 and metrics[1]["losses/old_kl"] > 0
     # 2 optimizer steps per epoch: decays at steps 2 and 4 of the Table-3 schedules
     assert [m["charts/old_decay"] for m in metrics] == pytest.approx([0.26, 0.27])
     assert [m["charts/sampling_decay"] for m in metrics] == [0.0, 0.0]
     ckpt = one_process_run / "checkpoints" / "epoch_00002"
-    lora, old, sampling = lora_tensors(ckpt), snapshot_tensors(ckpt, "old"), snapshot_tensors(ckpt, "sampling")
-    assert all(torch.equal(s, c) for s, c in zip(sampling, lora))  # decay 0: the sampler is a hard copy
-    assert any(o.abs().sum() > 0 for o in old[1::2])  # the old adapter moved off its zero-initialised B
-    assert any(not torch.equal(o, c) for o, c in zip(old, lora))  # decay > 0: a soft copy that lags
+    lora = lora_tensors(ckpt)
+    old, sampling = snapshot_tensors(ckpt, "old"), snapshot_tensors(ckpt, "sampling")
+    assert all(torch.equal(s, c) for s, c in zip(sampling, lora))  # decay 0: a hard copy
+    assert any(o.abs().sum() > 0 for o in old[1::2])  # the old B moved off its zero init
+    assert any(not torch.equal(o, c) for o, c in zip(old, lora))  # decay > 0: it lags
     ema = torch.load(ckpt / "state.pt", map_location="cpu")["ema"]
-    assert all(e.abs().sum() == 0 for e in ema[1::2])  # EMA every 10 epochs (the port): still the initial B = 0
+    # EMA every 10 epochs (upstream's): still the initial B = 0
+    assert all(e.abs().sum() == 0 for e in ema[1::2])
 
 
 @pytest.fixture(scope="module")
 def frozen_old_run(tiny_sd3, tmp_path_factory) -> tuple[Path, str]:
-    """1 epoch: frozen old, half-blended sampler, batch centering, EMA every epoch, and 6 > 4 eligible train timesteps
-    (none of which changes what the other checks); returns the run dir and its stdout."""
+    """1 epoch: frozen old, half-blended sampler, batch centering, EMA every epoch, and 6 > 4
+    eligible train timesteps (none of which changes what the other checks); returns the run
+    dir and its stdout."""
     out = tmp_path_factory.mktemp("crd_frozen")
-    proc = run_script(SCRIPT, flags(tiny_sd3, out, "--epochs", "1", "--old-decay", "0-1-0-1", "--sampling-decay",
-                                    "0-0.5-0-0.5", "--center-by", "batch", "--batch-size", "8", "--updates-per-epoch", "1",
-                                    "--ema-every", "1", "--num-train-timesteps", "6"), check=False)
+    extra = ["--epochs", "1", "--old-decay", "0-1-0-1", "--sampling-decay", "0-0.5-0-0.5",
+             "--center-by", "batch", "--batch-size", "8", "--updates-per-epoch", "1",
+             "--ema-every", "1", "--num-train-timesteps", "6"]
+    proc = run_script(SCRIPT, flags(tiny_sd3, out, *extra), check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
     return run_dir, proc.stdout
 
 
-def test_run_trains_on_the_ports_grid(tiny_sd3, frozen_old_run):
+def test_run_trains_on_upstreams_grid(tiny_sd3, frozen_old_run):
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    notes = [x for x in frozen_old_run[1].splitlines() if x.startswith("note: --num-train-timesteps 6 > 4 eligible")]
+    notes = [line for line in frozen_old_run[1].splitlines()
+             if line.startswith("note: --num-train-timesteps 6 > 4 eligible")]
     assert len(notes) == 1  # said once, at start
-    shift = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_sd3, subfolder="scheduler").config.shift
-    want = ", ".join(str(round(x, 4)) for x in sigma_grid(4, shift)[:-1].tolist())  # the tiny flags' --num-steps 4
-    assert notes[0].split("[")[1].split("]")[0] == want
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_sd3, subfolder="scheduler")
+    # the tiny flags' --num-steps 4
+    grid = sigma_grid(4, scheduler.config.shift)[:-1].tolist()
+    assert notes[0].split("[")[1].split("]")[0] == ", ".join(str(round(x, 4)) for x in grid)
 
 
 def test_frozen_old_half_blended_sampler_and_batch_centering(frozen_old_run):
@@ -226,11 +298,14 @@ def test_frozen_old_half_blended_sampler_and_batch_centering(frozen_old_run):
     (metrics,) = assert_common_run(run_dir, epochs=1)
     assert metrics["charts/old_decay"] == 1.0 and metrics["charts/sampling_decay"] == 0.5
     ckpt = run_dir / "checkpoints" / "epoch_00001"
-    lora, old, sampling = lora_tensors(ckpt), snapshot_tensors(ckpt, "old"), snapshot_tensors(ckpt, "sampling")
+    lora = lora_tensors(ckpt)
+    old, sampling = snapshot_tensors(ckpt, "old"), snapshot_tensors(ckpt, "sampling")
     assert all(o.abs().sum() == 0 for o in old[1::2])  # frozen at the initial LoRA (B = 0)
     # the sampler started at the same initial LoRA: 0.5 initial + 0.5 current
-    assert all(torch.allclose(s, 0.5 * o + 0.5 * c, atol=1e-7) for s, o, c in zip(sampling, old, lora))
-    # --ema-every 1: after epoch 0 the power warm-up gives decay min(0.995, 1 / 10): EMA = 0.1 initial + 0.9 current
+    assert all(torch.allclose(s, 0.5 * o + 0.5 * c, atol=1e-7)
+               for s, o, c in zip(sampling, old, lora))
+    # --ema-every 1: after epoch 0 the power warm-up gives decay min(0.995, 1 / 10):
+    # EMA = 0.1 initial + 0.9 current
     ema = torch.load(ckpt / "state.pt", map_location="cpu")["ema"]
     assert all(torch.allclose(e, 0.1 * o + 0.9 * c, atol=1e-7) for e, o, c in zip(ema, old, lora))
 
@@ -239,35 +314,40 @@ def test_resume_restores_all_three_lora_states(tiny_sd3, tmp_path, one_process_r
     first = cut_back_copy(one_process_run, tmp_path / "a")  # as if it had stopped after epoch 1
     resumed = run_script(SCRIPT, flags(tiny_sd3, tmp_path / "a", "--epochs", "2", "--resume",
                                        str(first / "checkpoints" / "epoch_00001")))
-    assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]  # continues its run dir
-    full, again = one_process_run / "checkpoints" / "epoch_00002", resumed / "checkpoints" / "epoch_00002"
-    for load in (lora_tensors, lambda c: snapshot_tensors(c, "old"), lambda c: snapshot_tensors(c, "sampling")):
+    # it continues its run dir
+    assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]
+    full = one_process_run / "checkpoints" / "epoch_00002"
+    again = resumed / "checkpoints" / "epoch_00002"
+    for load in (lora_tensors, lambda c: snapshot_tensors(c, "old"),
+                 lambda c: snapshot_tensors(c, "sampling")):
         assert all(torch.allclose(w, g, atol=1e-6) for w, g in zip(load(full), load(again)))
 
 
 def test_two_process_torchrun(tiny_sd3, tmp_path):
-    run_dir = run_script(SCRIPT, flags(tiny_sd3, tmp_path, "--epochs", "2", "--batch-size", "2", precision="bf16"),
-                         nproc=2)
+    extra = ["--epochs", "2", "--batch-size", "2"]
+    run_dir = run_script(SCRIPT, flags(tiny_sd3, tmp_path, *extra, precision="bf16"), nproc=2)
     metrics = assert_common_run(run_dir, epochs=2)
     assert metrics[0]["losses/first_r_theta_abs"] < 1e-6
     assert [m["charts/old_decay"] for m in metrics] == pytest.approx([0.26, 0.27])
 
 
 def test_learning_toy_accuracy_rises(tmp_path):
-    # toy world, the module docstring's demo: held-out exact accuracy after 8 epochs rose by +0.094 (seed 42, this
-    # test: 0.448 -> 0.542), +0.167 (seed 1), +0.156 (seed 2); a run that changes nothing gains exactly 0
-    run_dir = run_script(SCRIPT, toy_flags(TOY_SD3, tmp_path) + ["--batch-size", "16", "--num-train-timesteps", "5",
-                                                                 "--learning-rate", "3e-3", "--epochs", "8"])
-    metrics = read_metrics(run_dir)
+    # toy world, the module docstring's demo: held-out exact accuracy after 8 epochs rose by
+    # +0.094 (seed 42, this test: 0.448 -> 0.542), +0.167 (seed 1), +0.156 (seed 2); a run
+    # that changes nothing gains exactly 0
+    extra = ["--batch-size", "16", "--num-train-timesteps", "5", "--learning-rate", "3e-3",
+             "--epochs", "8"]
+    metrics = read_metrics(run_script(SCRIPT, toy_flags(TOY_SD3, tmp_path) + extra))
     assert_accuracy_rose(metrics, min_gain=0.05)
     # --kl-beta 0 skips the CFG teacher: no KL is measured, none is added
-    assert all("losses/kl" not in m and "losses/old_kl" not in m and m["losses/kl_loss"] == 0 for m in metrics)
+    assert all("losses/kl" not in m and "losses/old_kl" not in m and m["losses/kl_loss"] == 0
+               for m in metrics)
 
 
 def test_nan_reward_stops_with_intact_checkpoint(tiny_sd3, tmp_path):
     nan_reward = "tests/toy_rewards.py:nan_after_two_batches"
-    proc = run_script(SCRIPT, flags(tiny_sd3, tmp_path, "--epochs", "3", "--reward", nan_reward, "--eval-reward",
-                                    TOY_REWARD), check=False)
+    extra = ["--epochs", "3", "--reward", nan_reward, "--eval-reward", TOY_REWARD]
+    proc = run_script(SCRIPT, flags(tiny_sd3, tmp_path, *extra), check=False)
     assert proc.returncode != 0 and "non-finite" in proc.stderr.strip().splitlines()[-1]
     checkpoints = sorted((p for p in tmp_path.glob("*/checkpoints/*")), key=lambda p: p.name)
     assert [p.name for p in checkpoints] == ["epoch_00001"]
@@ -281,7 +361,8 @@ def test_nan_reward_stops_with_intact_checkpoint(tiny_sd3, tmp_path):
     (["--reward", "no_such_reward"], "no_such_reward"),
     (["--prompts-per-epoch", "3"], "do not split"),
     (["--old-decay", "0.25-0.005"], "S-v0-k-vmax"),
-    (["--group-size", "3", "--prompts-per-epoch", "4", "--updates-per-epoch", "1"], "single image"),
+    (["--group-size", "3", "--prompts-per-epoch", "4", "--updates-per-epoch", "1"],
+     "single image"),
     (["--num-train-timesteps", "0"], "--num-train-timesteps"),
 ])
 def test_bad_input_is_rejected_before_loading(tiny_sd3, tmp_path, extra, message):
