@@ -243,7 +243,7 @@ def centering_weights(targets, weight_temp: float) -> list[torch.Tensor]:
                 torch.softmax(-targets / weight_temp, dim=0)]
     # T == 0, "hard pools": softmax(a) over the good images (a > 0.5, that is
     # advantage > 0), then over the bad (a < 0.5); an empty pool is uniform.
-    # Upstream splits at a = 0, below every mapped a.
+    # Upstream splits at a = 0, which leaves its second pool empty.
     weightings = []
     for pool in (targets > 0.5, targets < 0.5):
         if pool.any():
@@ -260,19 +260,19 @@ def crd_loss(r_local, r_gathered, advantages, group_ids, rank, world, v, v_teach
 
     r_gathered, advantages, group_ids: (N,), the N = W*B images of micro-batch s of
     every rank, in rank order, at one timestep; r_local: (B,) this rank's implicit
-    rewards, with their gradient; v, v_teacher: (B, C, h, w) (None: no KL, KL None).
+    rewards, with their gradient; v, v_teacher: (B, C, h, w) (None: no KL).
     - a = clip(A, +-adv_clip) / (2 adv_clip) + 0.5 maps the advantages to [0, 1];
     - residuals crd_beta (r - r_mean) - (a - a_mean) per centering set (equal ids),
-      r_mean detached. An optimum's reward is beta log(p / p_ref) + beta log Z(c):
-      centering within a prompt c cancels the unknown log Z(c);
+      r_mean detached. The KL-regularised optimum p has the reward beta log(p / p_ref)
+      + beta log Z(c): centering within a prompt c cancels the unknown log Z(c);
     - their mean square x adv_clip / crd_beta: at r = 0 (LoRA == old snapshot) the
       gradient per r_i is then -(clip(A_i) - its set's mean) / N, the advantage at
       its own scale whatever crd_beta and adv_clip;
     - x world: a rank's backward reaches only its own B of the N rewards (the rest
       are gathered copies) and optimizer_step averages the ranks' gradients: x world
       makes that average the gradient of the loss over all N;
-    - + kl_beta x the KL to the CFG teacher, each image's weighted by c + a (1 - c),
-      c = 1e-4 / kl_beta (1 without reward_adaptive_kl): good images stay near it;
+    - + kl_beta x the KL (B,) to the CFG teacher, weighted by floor + a (1 - floor),
+      floor = 1e-4 / kl_beta (1 without reward_adaptive_kl): good images stay near it;
     - / accum_steps: an optimizer step adds up accum_steps micro-steps."""
     targets = advantages.clamp(-adv_clip, adv_clip) / (2 * adv_clip) + 0.5
     targets = targets.to(r_local.device)
@@ -656,9 +656,8 @@ if __name__ == "__main__":
     train_sigmas = sigmas[:-1][sigmas[:-1] >= 1 - args.timestep_range]  # (n,)
     if rank == 0 and args.num_train_timesteps > len(train_sigmas):
         eligible = [round(sigma, 4) for sigma in train_sigmas.tolist()]
-        print(f"note: --num-train-timesteps {args.num_train_timesteps} > {len(eligible)} "
-              f"eligible grid points {eligible}: each is trained several times per "
-              "micro-batch")
+        print(f"note: --num-train-timesteps {args.num_train_timesteps} > {len(eligible)} eligible "
+              f"grid points {eligible}: each is trained several times per micro-batch")
     # fp32 copies of the LoRA: the implicit reward's reference, and the one that rolls out
     old_params = [p.detach().clone() for p in lora_params]
     sampling_params = [p.detach().clone() for p in lora_params]
@@ -790,7 +789,7 @@ if __name__ == "__main__":
         # ALGO LOGIC: training. A micro-step re-noises a micro-batch's x0 at one sigma of
         # the grid and backpropagates crd_loss of the velocities there of the LoRA, the old
         # snapshot and, for the KL, the base model with CFG.
-        # (steps, W*B): the images of every rank's micro-batch s, in rank order
+        # Row s: the N = W*B images of every rank's micro-batch s, in rank order (crd_loss)
         step_advantages = advantages.view(world, num_batches, -1).transpose(0, 1).flatten(1)
         step_groups = group_ids.view(world, num_batches, -1).transpose(0, 1).flatten(1)
         if args.center_by == "batch":  # one centering set: all of a micro-step's images
