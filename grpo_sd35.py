@@ -7,8 +7,7 @@ rescaled to any GPU count. PickScore: add `--reward pickscore --kl-beta 0.01`.
     torchrun --nproc_per_node 8 grpo_sd35.py --train-prompts ocr/train.txt \
         --test-prompts ocr/test.txt
 
-One-minute CPU demo, Flow-GRPO-Fast on the committed toy world (prints held-out counting
-accuracy before and after):
+CPU demo (a minute): Flow-GRPO-Fast on the toy world; held-out accuracy before/after:
     python grpo_sd35.py --model tests/assets/toy-sd3 --train-prompts tests/assets/toy_train.txt \
         --test-prompts tests/assets/toy_test.txt --reward tests/toy_rewards.py:counting_partial \
         --eval-reward tests/toy_rewards.py:counting --resolution 32 --max-sequence-length 24 \
@@ -166,10 +165,9 @@ class Args:
     """checkpoint every N epochs (and after the last)"""
 
 
-# The joint-attention projections of every MMDiT block, as upstream
 LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
                 "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]
-STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other values of these
+STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other values
 
 
 # ALGO LOGIC: the GRPO loss, RatioNorm, the SDE window
@@ -179,16 +177,15 @@ def grpo_loss(log_ratio, advantages, mean, ref_mean, sigma_t, step_divisor, accu
 
     log_ratio, advantages: (B,); mean, ref_mean: (B, C, h, w), the step's means under the
     policy and the base model (ref_mean None: no KL). The factors:
-    - advantages clipped to +-adv_clip, so that a few outliers cannot dominate;
+    - advantages clipped to +-adv_clip: a few outliers cannot dominate;
     - PPO's max(-A ratio, -A clip(ratio, 1 +- clip_range)): the epoch's later updates are
-      off-policy, the clip keeps them near the rollout policy. It is tiny as log-probs are
-      means over elements (sde.py);
+      off-policy, the clip keeps them near the rollout policy;
     - / step_divisor: 1, or the step's |dt| under RatioNorm, whose log-ratio has a gradient
       ~|dt| per unit of velocity: every step then weighs the same;
     - + kl_beta * KL to the base model, to stay near it. Upstream's, not the paper's Eq. 10:
       mean((mu - mu_ref)^2) / (2 sigma_t^2), sigma_t without sqrt(-dt); the exact Gaussian
       KL sums over elements and divides by sigma_t^2 |dt|;
-    - / accum_steps: an optimizer step adds up accum_steps micro-steps' gradients."""
+    - / accum_steps: an optimizer step sums accum_steps micro-steps' gradients."""
     advantages = advantages.clamp(-adv_clip, adv_clip)
     ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1 - clip_range, 1 + clip_range)
@@ -205,15 +202,14 @@ def ratio_norm_log_ratio(log_prob, old_log_prob, mean, old_mean, std):
 
     With x' = old_mean + std eps and dmu = mean - old_mean, the raw log-ratio is
     mean(eps dmu) / std - mean(dmu^2) / (2 std^2): below 0 (the clip rarely stops positive
-    advantages), and its gradient ~|dt| / std starves high-noise steps. Adding the bias back
-    and scaling by std leaves mean(eps dmu); grpo_loss then divides by |dt|."""
+    advantages), its gradient ~|dt| / std starving high-noise steps. Adding the bias back and
+    scaling by std leaves mean(eps dmu)."""
     bias = ((mean - old_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std**2)
     return (log_prob - old_log_prob + bias) * std
 
 
 def draw_sde_window(size: int, window_range, num_steps: int, generator) -> tuple[int, int]:
-    """The SDE steps [start, start + size) of a micro-batch, start uniform in A..B - size (both
-    included): inside [A, B) = window_range. size 0: every step (the May-2025 Flow-GRPO)."""
+    """Steps [start, start + size), start uniform in {A, ..., B - size}; (A, B) = window_range."""
     if size == 0:
         return 0, num_steps
     low, high = window_range
@@ -508,8 +504,8 @@ if __name__ == "__main__":
     # ALGO LOGIC: from images to optimizer steps. The defaults on 8 GPUs: 48 prompts x 24 images
     # = 1152 images, 144 per GPU, in 16 micro-batches of 9. Each micro-batch trains its first
     # int(10 x 0.99) = 9 steps, a forward and backward each (a micro-step). 2 updates per epoch:
-    # an optimizer step every 8 micro-batches x 9 steps = 72 micro-steps (accum_steps), whose
-    # gradients are averaged, then averaged over the 8 GPUs (optimizer_step).
+    # an optimizer step averages 8 micro-batches x 9 steps = 72 micro-steps (accum_steps), then
+    # the 8 GPUs (optimizer_step).
     if num_batches % args.updates_per_epoch:
         fail(f"{num_batches} micro-batches per GPU per epoch do not split into "
              f"--updates-per-epoch {args.updates_per_epoch}; change --updates-per-epoch "
@@ -520,9 +516,7 @@ if __name__ == "__main__":
     if window_size != 0 and not 0 <= low <= high - window_size < high <= args.num_steps:
         fail(f"--sde-window-size {window_size} does not fit --sde-window-range {low} {high} "
              "(0 <= A <= B - K, B <= --num-steps)")
-    num_train_steps = int(args.num_steps * args.timestep_fraction)
-    if window_size > 0:  # a window trains all its steps
-        num_train_steps = window_size
+    num_train_steps = window_size or int(args.num_steps * args.timestep_fraction)
     if num_train_steps < 1:
         fail(f"--timestep-fraction {args.timestep_fraction} trains no step of "
              f"--num-steps {args.num_steps}")
@@ -563,7 +557,7 @@ if __name__ == "__main__":
     latent_shape = (transformer.config.in_channels, latent_size, latent_size)
     neg = encode(pipe, [""], device, args.max_sequence_length)  # the CFG prompt, once
 
-    # ALGO LOGIC: the sigma grids, eval's CFG scale, the LoRA snapshots the algorithm keeps
+    # ALGO LOGIC: the sigma grids, eval's CFG scale, the algorithm's LoRA snapshots
     pipe.scheduler.set_timesteps(args.num_steps, device=device)
     sigmas = pipe.scheduler.sigmas.float()  # (T+1,) from 1 to 0, SD3's shifted schedule
     pipe.scheduler.set_timesteps(args.eval_num_steps, device=device)
@@ -571,7 +565,7 @@ if __name__ == "__main__":
     eval_guidance_scale = args.eval_guidance_scale
     if eval_guidance_scale is None:
         eval_guidance_scale = args.guidance_scale
-    snapshots = {}  # name -> an fp32 copy of the LoRA, saved in state.pt; GRPO keeps none
+    snapshots = {}  # name -> fp32 LoRA copies, saved in state.pt; GRPO keeps none
 
     # TRY NOT TO MODIFY: resume, logging, eval
     start_epoch, global_step = 0, 0
@@ -653,11 +647,9 @@ if __name__ == "__main__":
         else:
             chosen = torch.randint(num_prompts, (per_epoch,), generator=prompt_gen)
 
-        # ALGO LOGIC: sampling. Every rank shuffles the epoch's images the same way and samples
-        # its own slice of them: each prompt's group is spread over the ranks.
-        order = torch.randperm(images_per_epoch, generator=prompt_gen)
+        # ALGO LOGIC: sampling. Images are shuffled alike on all ranks, so a group spans ranks
         group_ids = torch.arange(args.prompts_per_epoch).repeat_interleave(args.group_size)
-        group_ids = group_ids[order]  # (P*G,) the group (prompt) of every image
+        group_ids = group_ids[torch.randperm(images_per_epoch, generator=prompt_gen)]  # (P*G,)
         my_groups = group_ids.view(world, num_batches, args.batch_size)[rank]
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
         transformer.eval()
@@ -666,8 +658,7 @@ if __name__ == "__main__":
             prompt_ids = [int(chosen[group]) for group in batch_groups]
             prompts = [train_prompts[i] for i in prompt_ids]
             meta = [train_meta[i] for i in prompt_ids]
-            with torch.no_grad():
-                cond = (*encode(pipe, prompts, device, args.max_sequence_length), *neg)
+            cond = (*encode(pipe, prompts, device, args.max_sequence_length), *neg)
             noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen,
                                 device=device)
             window = draw_sde_window(window_size, window_range, args.num_steps, noise_gen)
@@ -696,8 +687,7 @@ if __name__ == "__main__":
         group_std = torch.stack([all_rewards[group_ids == group].std(unbiased=False)
                                  for group in range(args.prompts_per_epoch)])
 
-        # ALGO LOGIC: training. A micro-step re-scores one sampled step of a micro-batch (the
-        # first one exactly on-policy) and backpropagates grpo_loss.
+        # ALGO LOGIC: training. A micro-step re-scores one stored step, backpropagates grpo_loss
         my_advantages = advantages.to(device).view(world, num_batches, args.batch_size)[rank]
         transformer.train()
         stats = {"policy_loss": [], "kl": [], "approx_kl": [], "clipfrac": []}
@@ -705,12 +695,11 @@ if __name__ == "__main__":
         progress = tqdm(batches, f"epoch {epoch} training", disable=quiet, leave=False)
         for batch, batch_advantages in zip(progress, my_advantages):
             for j in range(num_train_steps):
-                step = batch["start"] + j  # the window's j-th step, on the sigma grid
+                step = batch["start"] + j  # the window's j-th step
                 sigma, sigma_next = sigmas[step], sigmas[step + 1]
                 x, x_next = batch["latents"][:, j], batch["latents"][:, j + 1]
                 with autocast:
-                    v = predict_velocity(transformer, x, sigma, *batch["cond"],
-                                         args.guidance_scale)
+                    v = predict_velocity(transformer, x, sigma, *batch["cond"], args.guidance_scale)
                 _, log_prob, mean, std = sde_step(v, x, sigma, sigma_next, args.sde_kind,
                                                   args.noise_level, prev_sample=x_next,
                                                   sigma_max=sigmas[1])
@@ -751,14 +740,13 @@ if __name__ == "__main__":
                                                args.max_grad_norm, world, loss,
                                                f"epoch {epoch}, step {global_step}", run_dir)
                     global_step += 1
-            # As upstream, the EMA is stepped after every micro-batch but moves only while
-            # (global_step + 1) % ema_interval == 0, so several times with the same weights.
-            # --ema-interval 0, or decay 0 (the EMA is then the live LoRA): once per step.
+            # As upstream, the EMA moves after every micro-batch while (global_step + 1) %
+            # ema_interval == 0: several times with the same weights (0, or decay 0: per step).
             if args.ema_interval == 0 or args.ema_decay == 0:
                 ema_moves = micro_step % accum_steps == 0
             else:
                 ema_moves = (global_step + 1) % args.ema_interval == 0
-            if ema_moves:  # the warm-up makes the early EMA follow the weights closely
+            if ema_moves:  # with a warm-up: the early EMA follows the weights closely
                 decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))
                 for ema, p in zip(ema_params, lora_params):
                     ema.mul_(decay).add_(p.detach(), alpha=1 - decay)
