@@ -153,8 +153,6 @@ class Args:
     """weight of the KL to the base model (see grpo_loss)"""
     ratio_norm: bool = False
     """GRPO-Guard's RatioNorm (see ratio_norm_log_ratio; needs --sde-kind flow)"""
-    on_policy_tol: float = 1e-3
-    """warn when the epoch's first micro-step has max |ratio - 1| above this"""
     ema_decay: float = 0.9
     """EMA decay of the LoRA used for eval and the saved `ema_lora` (0: off)"""
     ema_interval: int = 8
@@ -726,9 +724,9 @@ if __name__ == "__main__":
                 scaler.scale(loss).backward()
                 if micro_step == 0:  # the epoch's first micro-step runs the rollout's weights
                     on_policy_dev = (ratio - 1).abs().max().item()
-                    if on_policy_dev > args.on_policy_tol and rank == 0:
+                    if on_policy_dev > args.clip_range / 10 and rank == 0:
                         print(f"WARNING: on-policy max |ratio - 1| = {on_policy_dev:.2e} > "
-                              f"{args.on_policy_tol}: the rollout and training forwards differ")
+                              "clip-range / 10: the rollout and training forwards differ")
                 stats["policy_loss"].append(policy_loss.item())
                 stats["kl"].append(kl.item())
                 stats["approx_kl"].append(0.5 * ((log_prob - old_log_prob) ** 2).mean().item())
