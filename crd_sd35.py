@@ -3,10 +3,7 @@ reward, centered per prompt, regresses onto the centered external reward.
 
 Paper: Centered Reward Distillation (CRD), https://arxiv.org/abs/2603.14128
 
-Forward-process RL: rollouts keep only their final latents, which training re-noises.
-A "sampling" snapshot of the LoRA rolls out, an "old" one is the implicit reward's
-reference, and a KL holds the LoRA near the base model with CFG. The defaults are the
-paper's OCR run (Table 3, as upstream's PR #121 maps it):
+The defaults are the paper's OCR run (Table 3, as upstream's PR #121 maps it):
     torchrun --nproc_per_node 8 crd_sd35.py --kl-beta 0.1 \
         --train-prompts ocr/train.txt --test-prompts ocr/test.txt
 
@@ -25,7 +22,7 @@ author) unless named.
     compute_advantages      GDPO, arXiv:2601.05242
     snapshot_decay          compute_decay (blend_snapshot: _blend_named_params)
     sigma_grid              set_scheduler_timesteps
-    train_timestep_indices  utils/noise_schedule.py, TimeSampler.discrete
+    train_timesteps         utils/noise_schedule.py, TimeSampler.discrete
     crd_implicit_reward     optimize(), step 4
     crd_loss                _compute_crd_loss, and optimize()'s steps 5 to 7
     the EMA                 start(): ema_step(epoch)
@@ -41,6 +38,7 @@ import shutil
 import sys
 import time
 import warnings
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -140,18 +138,12 @@ class Args:
     """optimizer steps per epoch"""
     num_train_timesteps: int = 20
     """timesteps per micro-batch (shared by its images), stratified over the grid"""
-    timestep_range: float = 0.99
-    """train on the rollout grid's sigmas >= 1 - timestep_range"""
     adv_clip: float = 5.0
     """advantages are clipped to +-adv_clip, then mapped to [0, 1] (see crd_loss)"""
     crd_beta: float = 1.0
     """implicit-reward scale in the regression crd_beta (r - r_mean) ~ a - a_mean"""
-    weight_temp: float = -1.0
-    """centering: < 0 uniform; > 0 softmax(+-a / T); 0 softmax(a) in pools a > 0.5, a < 0.5"""
     center_by: Literal["group", "batch"] = "group"
-    """centering set: a prompt's part of the gathered micro-batch, or all of it (upstream)"""
-    adaptive_logp: bool = True
-    """divide each squared velocity error by its detached per-sample mean |error|"""
+    """centering set: a prompt's images in a micro-step, or all of them (upstream)"""
     old_decay: str = "0-0.25-0.005-0.999"
     """schedule "S-v0-k-vmax" of the old snapshot, the implicit reward's reference"""
     sampling_decay: str = "75-0.0-0.0075-0.999"
@@ -180,22 +172,18 @@ STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other val
 
 # ALGO LOGIC: snapshot schedules, timesteps, the implicit reward, the CRD loss
 def snapshot_decay(step: int, spec: str) -> float:
-    """The decay after `step` optimizer steps of the schedule "S-v0-k-vmax":
-    v0 before step S, then min(v0 + (step - S) k, vmax)."""
+    """The decay after `step` optimizer steps of the schedule "S-v0-k-vmax"."""
     number = r"(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"  # 1e-3 has a dash of its own
     match = re.fullmatch(rf"(\d+)-{number}-{number}-{number}", spec.strip())
     if match is None:
-        fail(f"decay schedule {spec!r} is not 'S-v0-k-vmax' (S an integer), "
-             "e.g. '75-0.0-0.0075-0.999'")
-    start, v0 = int(match[1]), float(match[2])
-    slope, vmax = float(match[3]), float(match[4])
+        fail(f"decay schedule {spec!r} is not 'S-v0-k-vmax', e.g. '75-0.0-0.0075-0.999'")
+    start, v0, slope, vmax = map(float, match.groups())
     return v0 if step < start else min(v0 + (step - start) * slope, vmax)
 
 
 def blend_snapshot(snapshot, params, decay: float):
-    """snapshot <- decay snapshot + (1 - decay) params, in place. decay <= 0
-    copies the params, decay >= 1 keeps the snapshot, both exactly."""
-    decay = min(max(decay, 0.0), 1.0)
+    """snapshot <- decay snapshot + (1 - decay) params, in place."""
+    decay = min(max(decay, 0.0), 1.0)  # exactly a copy at 0, frozen at 1
     for copy, p in zip(snapshot, params):
         copy.mul_(decay).add_(p.detach(), alpha=1 - decay)
 
@@ -206,88 +194,55 @@ def sigma_grid(num_steps: int, shift: float) -> torch.Tensor:
     return torch.cat([shift_sigmas(u, shift), u.new_zeros(1)]).float()
 
 
-def train_timestep_indices(num_eligible: int, num_train: int, generator):
-    """(T,) indices into n eligible grid points, stratified: draw j of T = num_train
-    falls in [j n / T, (j + 1) n / T)."""
+def train_timesteps(sigmas, num_train: int, generator) -> torch.Tensor:
+    """(T,) of the sigmas, stratified: draw j of T lies in the j-th of T equal strata."""
     offsets = torch.rand(num_train, generator=generator, device=generator.device)
     strata = torch.arange(num_train, device=offsets.device) + offsets
-    return (strata * num_eligible / num_train).floor().long()
+    return sigmas[(strata * len(sigmas) / num_train).floor().long()]
 
 
-def crd_implicit_reward(v, v_old, target, adaptive: bool = True):
-    """The implicit reward (B,) -mean(err^2 / scale - err_old^2 / scale_old), where
-    err = v - target and err_old = v_old - target are the flow-matching errors
-    (B, C, h, w) of the LoRA and of the old snapshot: an estimate of log p(x0) -
-    log p_old(x0), 0 while the two agree. adaptive: a scale is its error's detached
-    per-sample mean |error| (>= 1e-5), so that images and timesteps with large
-    errors do not dominate; else 1. The gradient flows through v only."""
+def crd_implicit_reward(v, v_old, target):
+    """(B,) -mean(err^2 / scale - err_old^2 / scale_old) of the flow-matching errors of
+    the LoRA and the old snapshot, ~ log p(x0) - log p_old(x0). A scale, its error's
+    detached mean |error| per image, keeps large errors from dominating."""
     dims = tuple(range(1, v.dim()))
     err = v.double() - target.double()
     err_old = v_old.detach().double() - target.double()
-    scale, scale_old = 1.0, 1.0
-    if adaptive:
-        scale = err.detach().abs().mean(dims, True).clamp_min(1e-5)
-        scale_old = err_old.detach().abs().mean(dims, True).clamp_min(1e-5)
+    scale = err.detach().abs().mean(dims, True).clamp_min(1e-5)
+    scale_old = err_old.detach().abs().mean(dims, True).clamp_min(1e-5)
     return -(err**2 / scale - err_old**2 / scale_old).mean(dim=dims).float()
 
 
-def centering_weights(targets, weight_temp: float) -> list[torch.Tensor]:
-    """The weightings (n,) of a centering set's means; crd_loss averages over them.
-    --weight-temp T picks one of three modes:"""
-    uniform = torch.full_like(targets, 1 / len(targets))
-    if weight_temp < 0:  # uniform: the plain mean
-        return [uniform]
-    if weight_temp > 0:  # one centering near the good images, one near the bad
-        return [torch.softmax(targets / weight_temp, dim=0),
-                torch.softmax(-targets / weight_temp, dim=0)]
-    # T == 0, "hard pools": softmax(a) over the good images (a > 0.5, that is
-    # advantage > 0), then over the bad (a < 0.5); an empty pool is uniform.
-    # Upstream splits at a = 0, which leaves its second pool empty.
-    weightings = []
-    for pool in (targets > 0.5, targets < 0.5):
-        if pool.any():
-            pooled = targets.masked_fill(~pool, -math.inf)
-            weightings.append(torch.softmax(pooled, dim=0))
-        else:
-            weightings.append(uniform)
-    return weightings
-
-
 def crd_loss(r_local, r_gathered, advantages, group_ids, rank, world, v, v_teacher,
-             accum_steps, crd_beta, weight_temp, adv_clip, kl_beta, reward_adaptive_kl):
+             accum_steps, crd_beta, adv_clip, kl_beta, reward_adaptive_kl):
     """One micro-step's loss; returns (loss to backward, policy loss, KL loss, KL).
 
-    r_gathered, advantages, group_ids: (N,), the N = W*B images of micro-batch s of
-    every rank, in rank order, at one timestep; r_local: (B,) this rank's implicit
-    rewards, with their gradient; v, v_teacher: (B, C, h, w) (None: no KL).
+    r_gathered, advantages, group_ids: (N,) for all ranks' micro-batches s, in rank order;
+    r_local: (B,) this rank's, with their gradient; v, v_teacher: (B, ...) (None: no KL).
     - a = clip(A, +-adv_clip) / (2 adv_clip) + 0.5 maps the advantages to [0, 1];
-    - residuals crd_beta (r - r_mean) - (a - a_mean) per centering set (equal ids),
-      r_mean detached. The KL-regularised optimum p has the reward beta log(p / p_ref)
-      + beta log Z(c): centering within a prompt c cancels the unknown log Z(c);
-    - their mean square x adv_clip / crd_beta: at r = 0 (LoRA == old snapshot) the
-      gradient per r_i is then -(clip(A_i) - its set's mean) / N, the advantage at
-      its own scale whatever crd_beta and adv_clip;
-    - x world: a rank's backward reaches only its own B of the N rewards (the rest
-      are gathered copies) and optimizer_step averages the ranks' gradients: x world
-      makes that average the gradient of the loss over all N;
+    - residuals crd_beta (r - r_mean) - (a - a_mean) per prompt (equal ids), r_mean
+      detached: the optimum's reward beta log(p / p_ref) + beta log Z(c) less its mean
+      over a prompt c loses the unknown log Z(c);
+    - their mean square x adv_clip / crd_beta: at r = 0 (LoRA == old) r_i's gradient is
+      -(clip(A_i) - its prompt's mean) / N, the advantage, whatever crd_beta and adv_clip;
+    - x world: a rank backpropagates only its own B of the N (the rest are gathered copies)
+      and optimizer_step averages the ranks: the mean is the gradient over all N;
     - + kl_beta x the KL (B,) to the CFG teacher, weighted by floor + a (1 - floor),
       floor = 1e-4 / kl_beta (1 without reward_adaptive_kl): good images stay near it;
-    - / accum_steps: an optimizer step adds up accum_steps micro-steps."""
+    - / accum_steps: an optimizer step sums accum_steps micro-steps' gradients."""
     targets = advantages.clamp(-adv_clip, adv_clip) / (2 * adv_clip) + 0.5
-    targets = targets.to(r_local.device)
     start = rank * len(r_local)
     mine = torch.arange(start, start + len(r_local), device=r_local.device)
     r_theta = r_gathered.index_copy(0, mine, r_local)  # (N,)
-    total = r_theta.new_zeros(())
+    policy_loss = r_theta.new_zeros(())
     for group in group_ids.unique():
         r_set, a_set = r_theta[group_ids == group], targets[group_ids == group]
-        weightings = centering_weights(a_set, weight_temp)
-        for weights in weightings:
-            r_mean = (weights * r_set).sum().detach()
-            a_mean = (weights * a_set).sum()
-            residuals = crd_beta * (r_set - r_mean) - (a_set - a_mean)
-            total = total + (residuals**2).sum() / len(weightings)
-    policy_loss = total / len(r_theta) * adv_clip / crd_beta
+        weights = torch.full_like(a_set, 1 / len(a_set))
+        r_mean = (weights * r_set).sum().detach()
+        a_mean = (weights * a_set).sum()
+        residuals = crd_beta * (r_set - r_mean) - (a_set - a_mean)
+        policy_loss = policy_loss + (residuals**2).sum()
+    policy_loss = policy_loss / len(r_theta) * adv_clip / crd_beta
     kl_loss, kl = torch.zeros((), device=r_local.device), None
     if v_teacher is not None:
         kl = ((v - v_teacher) ** 2).mean(dim=tuple(range(1, v.dim())))  # (B,)
@@ -296,8 +251,7 @@ def crd_loss(r_local, r_gathered, advantages, group_ids, rank, world, v, v_teach
             floor = 1e-4 / kl_beta
             weight = floor + targets[mine] * (1 - floor)
         kl_loss = kl_beta * (weight * kl).mean()
-    loss = (world * policy_loss + kl_loss) / accum_steps
-    return loss, policy_loss, kl_loss, kl
+    return (world * policy_loss + kl_loss) / accum_steps, policy_loss, kl_loss, kl
 
 
 # TRY NOT TO MODIFY: helpers shared verbatim by the SD3.5 scripts
@@ -584,26 +538,23 @@ if __name__ == "__main__":
         run_dir = os.path.dirname(parent)  # a resumed run continues in its own directory
 
     # ALGO LOGIC: from images to optimizer steps. The defaults on 8 GPUs: 48 prompts x 24
-    # images = 1152 images, 144 per GPU, in 18 micro-batches of 8. Image i shows prompt
-    # i // 24; the 8 GPUs' micro-batches s hold images 64 s to 64 s + 63, GPU k's the 8
-    # from 64 s + 8 k. So micro-batches 1 are prompt 2's last 8 images (GPU 0), prompts 3
-    # and 4 (GPUs 1-6) and prompt 5's first 8 (GPU 7): crd_loss centers each prompt's part,
-    # of at least gcd(24, 64) = 8 images. Each micro-batch trains 20 timesteps, the same on
-    # every GPU, a forward and backward each (a micro-step). 2 updates per epoch: an
-    # optimizer step every 9 micro-batches x 20 = 180 micro-steps (accum_steps).
+    # images = 1152 images, 144 per GPU, in 18 micro-batches of 8. GPU k's micro-batch s
+    # holds images 64 s + 8 k to 64 s + 8 k + 7; image i shows prompt i // 24. So
+    # micro-batches 1 show prompts 2 to 5, each in >= gcd(24, 64) = 8 images. Each trains
+    # 20 timesteps, alike on all GPUs, a micro-step each. 2 updates per epoch: an
+    # optimizer step every 9 x 20 = 180 micro-steps (accum_steps).
     snapshot_decay(0, args.old_decay)  # a malformed schedule fails now
     snapshot_decay(0, args.sampling_decay)
-    if args.num_train_timesteps < 1 or args.timestep_range <= 0:
-        fail(f"--num-train-timesteps {args.num_train_timesteps} and --timestep-range "
-             f"{args.timestep_range} must be > 0")
+    if args.num_train_timesteps < 1:
+        fail(f"--num-train-timesteps must be >= 1, got {args.num_train_timesteps}")
     if num_batches % args.updates_per_epoch:
         fail(f"{num_batches} micro-batches per GPU per epoch do not split into "
              f"--updates-per-epoch {args.updates_per_epoch}; change --updates-per-epoch "
              "or --batch-size")
     if args.center_by == "group" and math.gcd(args.group_size, world * args.batch_size) < 2:
         fail(f"--group-size {args.group_size} and {world} GPUs x --batch-size "
-             f"{args.batch_size} leave a prompt with a single image in some micro-step, "
-             "which group centering cannot use; make them share a factor >= 2")
+             f"{args.batch_size} leave a single image of a prompt in some micro-step; "
+             "make them share a factor >= 2")
     accum_steps = num_batches // args.updates_per_epoch * args.num_train_timesteps
     if rank == 0:
         devices = "GPU(s)" if device.type == "cuda" else "process(es)"
@@ -638,20 +589,19 @@ if __name__ == "__main__":
     latent_shape = (transformer.config.in_channels, latent_size, latent_size)
     neg = encode(pipe, [""], device, args.max_sequence_length)  # the CFG prompt, once
 
-    # ALGO LOGIC: the sigma grids, eval's CFG scale, the LoRA snapshots the algorithm keeps
+    # ALGO LOGIC: the sigma grids, eval's CFG scale, the LoRA snapshots
     shift = pipe.scheduler.config.shift
     sigmas = sigma_grid(args.num_steps, shift).to(device)  # (T+1,) from 1 to 0
     eval_sigmas = sigma_grid(args.eval_num_steps, shift).to(device)
     eval_guidance_scale = args.guidance_scale
-    train_sigmas = sigmas[:-1][sigmas[:-1] >= 1 - args.timestep_range]  # (n,)
+    train_sigmas = sigmas[:-1]  # every grid point but the clean 0
     if rank == 0 and args.num_train_timesteps > len(train_sigmas):
         eligible = [round(sigma, 4) for sigma in train_sigmas.tolist()]
         print(f"note: --num-train-timesteps {args.num_train_timesteps} > {len(eligible)} eligible "
               f"grid points {eligible}: each is trained several times per micro-batch")
-    # fp32 copies of the LoRA: the implicit reward's reference, and the one that rolls out
-    old_params = [p.detach().clone() for p in lora_params]
-    sampling_params = [p.detach().clone() for p in lora_params]
-    snapshots = {"old": old_params, "sampling": sampling_params}
+    # fp32 LoRA copies: the implicit reward's reference, and the one that rolls out
+    snapshots = {"old": [p.detach().clone() for p in lora_params],
+                 "sampling": [p.detach().clone() for p in lora_params]}
 
     # TRY NOT TO MODIFY: resume, logging, eval
     start_epoch, global_step = 0, 0
@@ -733,28 +683,25 @@ if __name__ == "__main__":
         else:
             chosen = torch.randint(num_prompts, (per_epoch,), generator=prompt_gen)
 
-        # ALGO LOGIC: sampling by the sampling snapshot, Euler ODE; only the final latents
-        # x0 are kept. The layout is the one of `from images to optimizer steps`.
+        # ALGO LOGIC: sampling: the sampling snapshot's Euler ODE; only x0 is kept
         image_ids = torch.arange(images_per_epoch).view(num_batches, world, -1)
         group_ids = image_ids.transpose(0, 1).flatten() // args.group_size  # (P*G,)
         my_groups = group_ids.view(world, num_batches, -1)[rank]
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
         transformer.eval()
         batches, futures = [], []
-        with swapped(lora_params, sampling_params), torch.no_grad():
-            for batch_groups in tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet,
-                                     leave=False):
-                prompt_ids = [int(chosen[group]) for group in batch_groups]
-                prompts = [train_prompts[i] for i in prompt_ids]
-                meta = [train_meta[i] for i in prompt_ids]
-                cond = (*encode(pipe, prompts, device, args.max_sequence_length), *neg)
-                noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen,
-                                    device=device)
+        for batch_groups in tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet, leave=False):
+            prompt_ids = [int(chosen[group]) for group in batch_groups]
+            prompts = [train_prompts[i] for i in prompt_ids]
+            meta = [train_meta[i] for i in prompt_ids]
+            cond = (*encode(pipe, prompts, device, args.max_sequence_length), *neg)
+            noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen,
+                                device=device)
+            with swapped(lora_params, snapshots["sampling"]):
                 x0 = rollout(transformer, noise, sigmas, "ode", 0.0, *cond,
                              args.guidance_scale, autocast, None)[3]  # (B, C, h, w)
-                images = decode(pipe.vae, x0).cpu()
-                futures.append(executor.submit(reward_fn, images, prompts, meta))
-                batches.append((cond, x0))
+            futures.append(executor.submit(reward_fn, decode(pipe.vae, x0).cpu(), prompts, meta))
+            batches.append((cond, x0))
 
         # TRY NOT TO MODIFY: all ranks' rewards, in rank order, and the advantages
         sampling_seconds = time.time() - epoch_start
@@ -774,31 +721,24 @@ if __name__ == "__main__":
         group_std = torch.stack([all_rewards[group_ids == group].std(unbiased=False)
                                  for group in range(args.prompts_per_epoch)])
 
-        # ALGO LOGIC: training. A micro-step re-noises a micro-batch's x0 at one sigma of
-        # the grid and backpropagates crd_loss of the velocities there of the LoRA, the old
-        # snapshot and, for the KL, the base model with CFG.
-        # Row s: the N = W*B images of every rank's micro-batch s, in rank order (crd_loss)
+        # ALGO LOGIC: training. A micro-step re-noises a micro-batch's x0 at one sigma and
+        # backpropagates crd_loss. Row s: all ranks' micro-batches s, in rank order
         step_advantages = advantages.view(world, num_batches, -1).transpose(0, 1).flatten(1)
-        step_groups = group_ids.view(world, num_batches, -1).transpose(0, 1).flatten(1)
-        if args.center_by == "batch":  # one centering set: all of a micro-step's images
+        step_advantages = step_advantages.to(device)  # (S, W*B)
+        step_groups = (image_ids.flatten(1) // args.group_size).to(device)
+        if args.center_by == "batch":  # one centering set per micro-step
             step_groups = torch.zeros_like(step_groups)
-        step_groups = step_groups.to(device)
         transformer.train()
-        # the same timesteps on every rank: a micro-step's W*B images share one
-        time_gen = seeded_generator(device, args.seed, epoch, 1)
+        time_gen = seeded_generator(device, args.seed, epoch, 1)  # alike on all ranks
         train_gen = seeded_generator(device, args.seed, epoch, rank, 1)
-        stats = {"policy_loss": [], "kl_loss": [], "r_theta": [], "old_deviate": []}
-        if args.kl_beta > 0:  # the teacher's velocity is only computed for a KL
-            stats.update({"kl": [], "old_kl": []})
+        stats = defaultdict(list)  # name -> a value per micro-step
         first_r_theta_abs, micro_step = float("nan"), 0
         progress = tqdm(batches, f"epoch {epoch} training", disable=quiet, leave=False)
         for step, (cond, x0) in enumerate(progress):
-            indices = train_timestep_indices(len(train_sigmas), args.num_train_timesteps,
-                                             time_gen)
-            for sigma in train_sigmas[indices]:
+            for sigma in train_timesteps(train_sigmas, args.num_train_timesteps, time_gen):
                 noise = torch.randn(x0.shape, generator=train_gen, device=device)
                 x_t, target = (1 - sigma) * x0 + sigma * noise, noise - x0
-                with torch.no_grad(), autocast, swapped(lora_params, old_params):
+                with torch.no_grad(), autocast, swapped(lora_params, snapshots["old"]):
                     v_old = predict_velocity(transformer, x_t, sigma, *cond,
                                              args.guidance_scale)
                 v_teacher = None
@@ -808,12 +748,12 @@ if __name__ == "__main__":
                                                      args.kl_cfg)
                 with autocast:
                     v = predict_velocity(transformer, x_t, sigma, *cond, args.guidance_scale)
-                r_local = crd_implicit_reward(v, v_old, target, args.adaptive_logp)  # (B,)
+                r_local = crd_implicit_reward(v, v_old, target)  # (B,)
                 r_gathered = all_gather_cat(r_local.detach(), world)  # (W*B,)
                 loss, policy_loss, kl_loss, kl = crd_loss(
                     r_local, r_gathered, step_advantages[step], step_groups[step], rank,
-                    world, v, v_teacher, accum_steps, args.crd_beta, args.weight_temp,
-                    args.adv_clip, args.kl_beta, args.reward_adaptive_kl)
+                    world, v, v_teacher, accum_steps, args.crd_beta, args.adv_clip,
+                    args.kl_beta, args.reward_adaptive_kl)
                 scaler.scale(loss).backward()
                 if micro_step == 0:  # exactly 0 while the old snapshot is the LoRA
                     first_r_theta_abs = r_local.abs().max().item()
@@ -847,8 +787,7 @@ if __name__ == "__main__":
         losses = {f"losses/{name}": float(np.mean(values)) for name, values in stats.items()}
         metrics.update(rank_mean(losses, world, device))
         metrics["losses/first_r_theta_abs"] = first_r_theta_abs
-        metrics["charts/old_decay"] = decays["old"]
-        metrics["charts/sampling_decay"] = decays["sampling"]
+        metrics.update({f"charts/{name}_decay": decay for name, decay in decays.items()})
         kl = metrics.get("losses/kl", 0.0)  # none without a KL
         summary = (f"policy {metrics['losses/policy_loss']:.3e} kl {kl:.3e} | r_theta "
                    f"{metrics['losses/r_theta']:.1e} | decay old {decays['old']:.3f} "

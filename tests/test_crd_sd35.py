@@ -1,6 +1,6 @@
-"""crd_sd35.py: hand-computed implicit reward and CRD loss (every --weight-temp mode, group
-vs batch centering, the rank and accumulation factors, the KL), decay schedules, then
-end-to-end runs on the tiny offline SD3 pipeline."""
+"""crd_sd35.py: hand-computed implicit reward and CRD loss (group vs batch centering, the
+rank and accumulation factors, the KL), decay schedules, then end-to-end runs on the tiny
+offline SD3 pipeline."""
 
 import math
 from pathlib import Path
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from crd_sd35 import (blend_snapshot, crd_implicit_reward, crd_loss, sigma_grid,
-                      snapshot_decay, train_timestep_indices)
+                      snapshot_decay, train_timesteps)
 from scripts_harness import (TOY_REWARD, TOY_SD3, assert_accuracy_rose, assert_bad_input,
                              assert_common_run, assert_eval_only_reproduces, cut_back_copy,
                              lora_tensors, read_metrics, run_script, tiny_sd35_flags, toy_flags)
@@ -22,14 +22,10 @@ def test_implicit_reward_by_hand():
     target = torch.tensor([[1.0, -1.0]])
     v, v_old = torch.tensor([[3.0, -1.0]]), torch.tensor([[0.0, 0.0]])
     # e = (2, 0): mean sq 2, mean |e| 1;  e_old = (-1, 1): mean sq 1, mean |e_old| 1
-    reward = crd_implicit_reward(v, v_old, target, adaptive=False)
-    assert reward.item() == pytest.approx(-(2.0 - 1.0))
     assert crd_implicit_reward(v, v_old, target).item() == pytest.approx(-(2.0 / 1.0 - 1.0 / 1.0))
     v_old = torch.tensor([[1.0, 1.0]])  # e_old = (0, 2): mean sq 2, mean |e_old| 1 -> 2 / 1
     v = torch.tensor([[5.0, -1.0]])  # e = (4, 0): mean sq 8, mean |e| 2 -> 8 / 2
     assert crd_implicit_reward(v, v_old, target).item() == pytest.approx(-(4.0 - 2.0))
-    reward = crd_implicit_reward(v, v_old, target, adaptive=False)
-    assert reward.item() == pytest.approx(-(8.0 - 2.0))
 
 
 def test_implicit_reward_is_zero_at_old_and_its_gradient_is_normalised_flow_matching():
@@ -55,10 +51,10 @@ A = torch.tensor([0.9, 0.3, 0.6])  # ADVANTAGES / (2 x adv_clip 5) + 0.5
 ONE_GROUP = torch.zeros(3, dtype=torch.long)
 
 
-def policy(r, advantages, group_ids, crd_beta=1.0, weight_temp=-1.0, adv_clip=5.0):
+def policy(r, advantages, group_ids, crd_beta=1.0, adv_clip=5.0):
     """crd_loss's policy loss on one process, without KL and accumulation."""
     return crd_loss(r, r.detach(), advantages, group_ids, 0, 1, None, None, 1, crd_beta,
-                    weight_temp, adv_clip, 0.0, False)[1]
+                    adv_clip, 0.0, False)[1]
 
 
 def centered_sq(r, a, p, beta):
@@ -79,51 +75,19 @@ def test_crd_loss_uniform_by_hand():
                                                                                  rel=1e-5)
 
 
-def test_crd_loss_softmax_mode_by_hand():
-    tau = 0.5
-    plus, minus = torch.softmax(A / tau, 0), torch.softmax(-A / tau, 0)
-    want = 0.5 * (centered_sq(R, A, plus, 1.0) + centered_sq(R, A, minus, 1.0)) / 3 * 5.0
-    got = policy(R, ADVANTAGES, ONE_GROUP, weight_temp=tau)
-    assert got.item() == pytest.approx(want.item(), rel=1e-5)
-    # a huge temperature is the uniform mode
-    uniform = policy(R, ADVANTAGES, ONE_GROUP).item()
-    got = policy(R, ADVANTAGES, ONE_GROUP, weight_temp=1e6)
-    assert got.item() == pytest.approx(uniform, rel=1e-4)
-
-
-def test_crd_loss_hard_pools_split_at_one_half():
-    # pools {0.9, 0.6} (a > 0.5) and {0.3} (a < 0.5), each softmax(a)-weighted inside the pool
-    e9, e6 = math.exp(0.9), math.exp(0.6)
-    plus = torch.tensor([e9 / (e9 + e6), 0.0, e6 / (e9 + e6)])
-    minus = torch.tensor([0.0, 1.0, 0.0])
-    want = 0.5 * (centered_sq(R, A, plus, 1.0) + centered_sq(R, A, minus, 1.0)) / 3 * 5.0
-    got = policy(R, ADVANTAGES, ONE_GROUP, weight_temp=0.0)
-    assert got.item() == pytest.approx(want.item(), rel=1e-5)
-    # no a < 0.5 (advantages 4, 2, 1): that pool falls back to uniform weights
-    a = torch.tensor([0.9, 0.7, 0.6])
-    e7 = math.exp(0.7)
-    plus = torch.tensor([e9, e7, e6]) / (e9 + e7 + e6)
-    uniform = torch.full((3,), 1 / 3)
-    want = 0.5 * (centered_sq(R, a, plus, 1.0) + centered_sq(R, a, uniform, 1.0)) / 3 * 5.0
-    got = policy(R, torch.tensor([4.0, 2.0, 1.0]), ONE_GROUP, weight_temp=0.0)
-    assert got.item() == pytest.approx(want.item(), rel=1e-5)
-
-
-@pytest.mark.parametrize("weight_temp", [-1.0, 0.0, 0.7])
-def test_group_centering_is_per_group_and_equals_batch_centering_for_one_group(weight_temp):
+def test_group_centering_is_per_group_and_equals_batch_centering_for_one_group():
     torch.manual_seed(1)
     r, advantages = torch.randn(6), 2 * torch.randn(6)
     ids = torch.tensor([0, 1, 0, 1, 1, 0])
     g0, g1 = ids == 0, ids == 1
-    part0 = policy(r[g0], advantages[g0], ONE_GROUP, 1.5, weight_temp)
-    part1 = policy(r[g1], advantages[g1], ONE_GROUP, 1.5, weight_temp)
+    part0 = policy(r[g0], advantages[g0], ONE_GROUP, 1.5)
+    part1 = policy(r[g1], advantages[g1], ONE_GROUP, 1.5)
     want = (3 * part0 + 3 * part1) / 6
-    assert policy(r, advantages, ids, 1.5, weight_temp).item() == pytest.approx(want.item(),
-                                                                               rel=1e-5)
-    batch = policy(r, advantages, torch.zeros(6, dtype=torch.long), 1.5, weight_temp)
+    assert policy(r, advantages, ids, 1.5).item() == pytest.approx(want.item(), rel=1e-5)
+    batch = policy(r, advantages, torch.zeros(6, dtype=torch.long), 1.5)
     assert batch.item() != pytest.approx(want.item(), rel=1e-3)  # two prompts: sets matter
     same_ids = torch.full((6,), 7)
-    got = policy(r, advantages, same_ids, 1.5, weight_temp)
+    got = policy(r, advantages, same_ids, 1.5)
     assert got.item() == pytest.approx(batch.item(), rel=1e-6)
 
 
@@ -142,14 +106,14 @@ def test_ranks_backpropagate_their_part_and_their_mean_is_the_whole_gradient():
     ids = torch.tensor([0, 0, 1, 1, 1, 0])  # prompts spread over the two ranks' 3 images
     whole = r.clone().requires_grad_(True)
     loss, whole_policy, _, _ = crd_loss(whole, r, advantages, ids, 0, 1, None, None, 4, 1.5,
-                                        -1.0, 5.0, 0.0, False)
+                                        5.0, 0.0, False)
     assert loss.item() == pytest.approx(whole_policy.item() / 4)  # / accum_steps
     loss.backward()
     grads = []
     for rank in range(2):
         mine = r[3 * rank : 3 * rank + 3].clone().requires_grad_(True)
         loss, rank_policy, _, _ = crd_loss(mine, r, advantages, ids, rank, 2, None, None, 4,
-                                           1.5, -1.0, 5.0, 0.0, False)
+                                           1.5, 5.0, 0.0, False)
         assert rank_policy.item() == pytest.approx(whole_policy.item(), rel=1e-6)
         assert loss.item() == pytest.approx(2 * rank_policy.item() / 4)  # x world / accum
         loss.backward()
@@ -166,7 +130,7 @@ def test_reward_adaptive_kl_by_hand():
     r, ids = torch.zeros(2), torch.zeros(2, dtype=torch.long)
 
     def kl_terms(v_teacher, kl_beta, reward_adaptive):
-        return crd_loss(r, r, advantages, ids, 0, 1, v, v_teacher, 1, 1.0, -1.0, 5.0, kl_beta,
+        return crd_loss(r, r, advantages, ids, 0, 1, v, v_teacher, 1, 1.0, 5.0, kl_beta,
                         reward_adaptive)
 
     loss, policy_loss, kl_loss, kl = kl_terms(teacher, 0.1, True)
@@ -208,11 +172,12 @@ def test_blend_snapshot_copy_freeze_blend():
 
 def test_train_timesteps_are_stratified_over_the_grid():
     gen = torch.Generator().manual_seed(0)
+    grid = torch.arange(10.0)  # stands for 10 sigmas: each value is its index
     # the paper's 20 draws over 10 rollout steps: each step exactly twice
-    idx = train_timestep_indices(10, 20, gen)
+    idx = train_timesteps(grid, 20, gen).long()
     assert sorted(idx.tolist()) == sorted(list(range(10)) * 2)
     for _ in range(5):
-        idx = train_timestep_indices(10, 4, gen)  # draw j lies in [2.5 j, 2.5 (j + 1))
+        idx = train_timesteps(grid, 4, gen).long()  # draw j lies in [2.5 j, 2.5 (j + 1))
         assert all(math.floor(2.5 * j) <= i < math.ceil(2.5 * (j + 1))
                    for j, i in enumerate(idx.tolist()))
 
