@@ -330,7 +330,7 @@ def make_steps(args, S):
 
     def ours():
         S.latents, S.old_lp = rollout(tr, S.noise, S.sigmas, "flow", 0.7, S.embeds, S.pooled,
-                                      *S.neg, g, autocast, S.gen)
+                                      *S.neg, g, autocast, S.gen)[:2]
         return decode(S.pipe.vae, S.latents[:, -1])
 
     def grpo_step():

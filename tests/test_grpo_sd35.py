@@ -1,4 +1,4 @@
-"""grpo_sd35.py: hand-computed advantage/loss units, then end-to-end runs on the tiny offline SD3 pipeline."""
+"""grpo_sd35.py: hand-computed advantage and loss units, then end-to-end runs on tiny SD3."""
 
 import math
 from contextlib import nullcontext
@@ -7,32 +7,34 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_sd35 import (compute_advantages, draw_sde_window, group_advantages, grpo_loss, predict_velocity,
-                       ratio_norm_log_ratio, rollout, window_rollout)
-from scripts_harness import (TOY_REWARD, TOY_SD3, assert_accuracy_rose, assert_bad_input, assert_common_run,
-                             assert_eval_only_reproduces, lora_tensors, read_metrics, run_script, tiny_sd35_flags,
-                             toy_flags)
-from scripts_harness import cut_back_copy
+from grpo_sd35 import (compute_advantages, draw_sde_window, group_advantages, grpo_loss,
+                       predict_velocity, ratio_norm_log_ratio, rollout)
+from scripts_harness import (TOY_REWARD, TOY_SD3, assert_accuracy_rose, assert_bad_input,
+                             assert_common_run, assert_eval_only_reproduces, cut_back_copy,
+                             lora_tensors, read_metrics, run_script, tiny_sd35_flags, toy_flags)
 from sde import gaussian_log_prob, sde_step
 
 SCRIPT = "grpo_sd35.py"
 
 
-# ---- units -------------------------------------------------------------------------------------------------------
+# ---- units ---------------------------------------------------------------------------------
 def test_group_advantages_by_hand():
     rewards = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 5.0])
     groups = torch.tensor([0, 0, 1, 1, 2, 2])
-    global_std = math.sqrt(sum((r - 10 / 3) ** 2 for r in [1, 2, 3, 4, 5, 5]) / 6)  # population std of all six
+    # the population std of all six rewards
+    global_std = math.sqrt(sum((r - 10 / 3) ** 2 for r in [1, 2, 3, 4, 5, 5]) / 6)
     adv = group_advantages(rewards, groups, per_group_std=False)
     want = torch.tensor([-0.5, 0.5, -0.5, 0.5, 0.0, 0.0]) / (global_std + 1e-4)
     assert torch.allclose(adv, want, atol=1e-6)
-    adv = group_advantages(rewards, groups, per_group_std=True)  # within-group std 0.5; equal group: 0 / 1e-4 = 0
+    # within-group std 0.5; the equal group: 0 / 1e-4 = 0
+    adv = group_advantages(rewards, groups, per_group_std=True)
     assert torch.allclose(adv, torch.tensor([-1, 1, -1, 1, 0, 0]) * 0.5 / (0.5 + 1e-4), atol=1e-6)
     assert torch.isfinite(adv).all()
 
 
 def test_groups_may_be_interleaved():
-    adv = group_advantages(torch.tensor([1.0, 10.0, 3.0, 20.0]), torch.tensor([0, 1, 0, 1]), per_group_std=True)
+    rewards, groups = torch.tensor([1.0, 10.0, 3.0, 20.0]), torch.tensor([0, 1, 0, 1])
+    adv = group_advantages(rewards, groups, per_group_std=True)
     assert torch.allclose(adv, torch.tensor([-1.0, -1.0, 1.0, 1.0]), atol=1e-3)
 
 
@@ -40,45 +42,72 @@ def test_gdpo_normalises_each_reward_within_its_group():
     groups = torch.tensor([0, 0, 1, 1])
     a, b = torch.tensor([0.0, 1.0, 0.0, 1.0]), torch.tensor([10.0, 30.0, 30.0, 10.0])
     weights = {"a": 1.0, "b": 0.5}
-    adv = compute_advantages(a + 0.5 * b, {"a": a, "b": b}, weights, groups, "gdpo", per_group_std=False)
-    # per group: a -> (-1, 1, -1, 1), b -> (-1, 1, 1, -1) (up to the 1e-4 eps); weighted sum (-1.5, 1.5, -0.5, 0.5)
+    adv = compute_advantages(a + 0.5 * b, {"a": a, "b": b}, weights, groups, "gdpo", False)
+    # per group: a -> (-1, 1, -1, 1), b -> (-1, 1, 1, -1) (up to the 1e-4 eps);
+    # weighted sum (-1.5, 1.5, -0.5, 0.5)
     s = torch.tensor([-1.5, 1.5, -0.5, 0.5])
     assert torch.allclose(adv, s / s.std(unbiased=False), atol=1e-3)
     # "sum" normalises the weighted sum instead: (a + 0.5 b) = (5, 16, 15, 6)
-    adv_sum = compute_advantages(a + 0.5 * b, {"a": a, "b": b}, weights, groups, "sum", per_group_std=False)
-    assert torch.allclose(adv_sum, torch.tensor([-5.5, 5.5, 4.5, -4.5]) / torch.tensor([5.0, 16, 15, 6]).std(unbiased=False), atol=1e-3)
+    adv_sum = compute_advantages(a + 0.5 * b, {"a": a, "b": b}, weights, groups, "sum", False)
+    centered = torch.tensor([-5.5, 5.5, 4.5, -4.5])
+    summed = torch.tensor([5.0, 16, 15, 6])
+    assert torch.allclose(adv_sum, centered / summed.std(unbiased=False), atol=1e-3)
+
+
+def policy_loss(log_ratio, advantages, clip_range):
+    """grpo_loss's policy term alone: no KL, no RatioNorm, no accumulation."""
+    _, loss, _, ratio = grpo_loss(log_ratio, advantages, None, None, None, 1, 1, clip_range,
+                                  adv_clip=5.0, kl_beta=0.04)
+    return loss, ratio
 
 
 def test_grpo_loss_by_hand():
     zero = torch.zeros(2)
-    loss, ratio = grpo_loss(zero, zero, torch.tensor([-1.0, -1.0]), clip_range=1e-4, adv_clip=5.0)
-    assert loss.item() == pytest.approx(1.0) and torch.equal(ratio, torch.ones(2))  # ratio 1, advantage -1 -> 1
+    loss, ratio = policy_loss(zero, torch.tensor([-1.0, -1.0]), clip_range=1e-4)
+    # ratio 1 and advantage -1: loss 1
+    assert loss.item() == pytest.approx(1.0) and torch.equal(ratio, torch.ones(2))
     # ratio 1.5 with A = +1 is clipped to 1 + eps; with A = -1 the unclipped -A r = 1.5 is the max
     lp = torch.tensor([math.log(1.5), math.log(1.5)])
-    loss, _ = grpo_loss(lp, zero, torch.tensor([1.0, -1.0]), clip_range=0.2, adv_clip=5.0)
+    loss, _ = policy_loss(lp, torch.tensor([1.0, -1.0]), clip_range=0.2)
     assert loss.item() == pytest.approx((-1.2 + 1.5) / 2)
-    loss, _ = grpo_loss(zero, zero, torch.tensor([100.0, -100.0]), clip_range=0.2, adv_clip=5.0)  # advantages clipped
+    loss, _ = policy_loss(zero, torch.tensor([100.0, -100.0]), clip_range=0.2)  # clipped to +-5
     assert loss.item() == pytest.approx(0.0)
-    loss, _ = grpo_loss(zero, zero, torch.tensor([100.0, 100.0]), clip_range=0.2, adv_clip=5.0)
+    loss, _ = policy_loss(zero, torch.tensor([100.0, 100.0]), clip_range=0.2)
     assert loss.item() == pytest.approx(-5.0)
+
+
+def test_grpo_loss_scale_kl_divisor_and_accumulation_by_hand():
+    # one sample, two elements: mean 0, base-model mean (0.1, -0.2), sigma_t 0.5:
+    # KL = mean(0.01, 0.04) / (2 x 0.25) = 0.05
+    mean, ref_mean = torch.zeros(1, 1, 1, 2), torch.tensor([[[[0.1, -0.2]]]])
+    advantages, log_ratio = torch.tensor([-1.0]), torch.zeros(1)  # policy term 1 at ratio 1
+    loss, policy, kl, _ = grpo_loss(log_ratio, advantages, mean, ref_mean, torch.tensor([0.5]),
+                                    step_divisor=0.25, accum_steps=4, clip_range=1e-4,
+                                    adv_clip=5.0, kl_beta=2.0)
+    assert kl.item() == pytest.approx(0.05)
+    assert policy.item() == pytest.approx(1 / 0.25)  # RatioNorm's / |dt|
+    assert loss.item() == pytest.approx((4.0 + 2.0 * 0.05) / 4)  # (policy + beta KL) / accum
+    _, _, kl, _ = grpo_loss(log_ratio, advantages, mean, None, None, 1, 1, 1e-4, 5.0, 2.0)
+    assert kl.item() == 0.0  # no base-model mean: no KL
 
 
 def test_grpo_loss_gradient_on_policy_is_minus_advantage():
     lp = torch.zeros(2, requires_grad=True)
-    loss, _ = grpo_loss(lp, torch.zeros(2), torch.tensor([2.0, -1.0]), clip_range=1e-4, adv_clip=5.0)
+    loss, _ = policy_loss(lp, torch.tensor([2.0, -1.0]), clip_range=1e-4)
     loss.backward()
     assert torch.allclose(lp.grad, torch.tensor([-1.0, 0.5]))
 
 
 class FakeVelocity(torch.nn.Module):
-    """A deterministic stand-in for the SD3 transformer (v = x / 2 + t / 1000 + mean(pooled)) that records each
-    forward's batch size."""
+    """A deterministic stand-in for the SD3 transformer (v = x / 2 + t / 1000 + mean(pooled))
+    that records each forward's batch size."""
 
     def __init__(self):
         super().__init__()
         self.batch_sizes = []
 
-    def forward(self, hidden_states, timestep, encoder_hidden_states, pooled_projections, return_dict):
+    def forward(self, hidden_states, timestep, encoder_hidden_states, pooled_projections,
+                return_dict):
         self.batch_sizes.append(hidden_states.shape[0])
         shift = (timestep / 1000 + pooled_projections.mean(dim=1)).view(-1, 1, 1, 1)
         return (hidden_states / 2 + shift,)
@@ -86,18 +115,22 @@ class FakeVelocity(torch.nn.Module):
 
 def fake_cond(batch: int):
     gen = torch.Generator().manual_seed(1)
-    return (torch.zeros(batch, 5, 8), torch.randn(batch, 4, generator=gen), torch.zeros(1, 5, 8), torch.zeros(1, 4))
+    return (torch.zeros(batch, 5, 8), torch.randn(batch, 4, generator=gen), torch.zeros(1, 5, 8),
+            torch.zeros(1, 4))
 
 
 def test_sde_window_start_is_drawn_from_a_to_b_minus_k_inclusive():
     draws = [draw_sde_window(3, (0, 5), 10, torch.Generator().manual_seed(s)) for s in range(200)]
-    assert {start for start, _ in draws} == {0, 1, 2}  # upstream random.randint(0, 5 - 3): both ends included
+    # upstream random.randint(0, 5 - 3): both ends included
+    assert {start for start, _ in draws} == {0, 1, 2}
     assert all(end == start + 3 <= 5 for start, end in draws)  # the window never leaves [A, B)
-    assert {draw_sde_window(2, (4, 6), 10, torch.Generator().manual_seed(s)) for s in range(20)} == {(4, 6)}
-    assert draw_sde_window(0, (0, 5), 10, None) == (0, 10)  # no window: every step is SDE (May-2025 Flow-GRPO)
+    draws = {draw_sde_window(2, (4, 6), 10, torch.Generator().manual_seed(s)) for s in range(20)}
+    assert draws == {(4, 6)}
+    # no window: every step is SDE (May-2025 Flow-GRPO)
+    assert draw_sde_window(0, (0, 5), 10, None) == (0, 10)
     gen_a, gen_b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    assert [draw_sde_window(2, (0, 6), 10, gen_a) for _ in range(9)] == [draw_sde_window(2, (0, 6), 10, gen_b)
-                                                                         for _ in range(9)]  # seeded: resumable
+    draws_a = [draw_sde_window(2, (0, 6), 10, gen_a) for _ in range(9)]
+    assert draws_a == [draw_sde_window(2, (0, 6), 10, gen_b) for _ in range(9)]  # resumable
 
 
 @pytest.mark.parametrize("kind", ["flow", "cps"])
@@ -105,17 +138,18 @@ def test_sde_window_start_is_drawn_from_a_to_b_minus_k_inclusive():
 def test_window_rollout_is_sde_inside_the_window_and_ode_outside(kind, window):
     sigmas, cond, model = torch.linspace(1, 0, 7), fake_cond(2), FakeVelocity()  # T = 6 steps
     noise = torch.randn(2, 4, 3, 3, generator=torch.Generator().manual_seed(0))
-    runs = [window_rollout(model, noise, sigmas, window, kind, 0.8, cond, 1.0, nullcontext(),
-                           torch.Generator().manual_seed(seed)) for seed in (0, 1)]
+    runs = [rollout(model, noise, sigmas, kind, 0.8, *cond, 1.0, nullcontext(),
+                    torch.Generator().manual_seed(seed), window) for seed in (0, 1)]
     (latents, log_probs, means, final), (latents_b, _, _, final_b) = runs
-    assert latents.shape == (2, 3, 4, 3, 3) and log_probs.shape == (2, 2) and means.shape == (2, 2, 4, 3, 3)
+    assert latents.shape == (2, 3, 4, 3, 3) and log_probs.shape == (2, 2)
+    assert means.shape == (2, 2, 4, 3, 3)
 
     def euler(x, steps):
         for i in steps:
             x = x + predict_velocity(model, x, sigmas[i], *cond, 1.0) * (sigmas[i + 1] - sigmas[i])
         return x
 
-    # ODE before the window: its first latent is plain Euler from the noise, the same for any generator
+    # ODE before the window: its first latent is plain Euler from the noise, for any generator
     assert torch.allclose(latents[:, 0], euler(noise, range(window[0])), atol=1e-6)
     assert torch.equal(latents[:, 0], latents_b[:, 0])
     # SDE inside: another generator gives other latents; only the window's K steps are stored
@@ -128,21 +162,27 @@ def test_window_rollout_is_sde_inside_the_window_and_ode_outside(kind, window):
         v = predict_velocity(model, latents[:, j], sigmas[t], *cond, 1.0)
         _, log_prob, mean, std = sde_step(v, latents[:, j], sigmas[t], sigmas[t + 1], kind, 0.8,
                                           prev_sample=latents[:, j + 1], sigma_max=sigmas[1])
-        assert torch.equal(log_prob, log_probs[:, j]) and torch.equal(mean, means[:, j]) and (std > 0).all()
-        if kind == "cps":  # CPS inside the window: its constant-free log-prob and std sigma_next sin(a pi / 2)
-            assert torch.allclose(log_prob, -((latents[:, j + 1] - mean) ** 2).mean(dim=(1, 2, 3)))
+        assert torch.equal(log_prob, log_probs[:, j]) and torch.equal(mean, means[:, j])
+        assert (std > 0).all()
+        if kind == "cps":  # CPS: its constant-free log-prob and std sigma_next sin(a pi / 2)
+            want = -((latents[:, j + 1] - mean) ** 2).mean(dim=(1, 2, 3))
+            assert torch.allclose(log_prob, want)
             assert torch.allclose(std, sigmas[t + 1] * math.sin(0.8 * math.pi / 2))
 
 
-def test_window_rollout_without_a_window_is_the_shared_rollout():
+def test_rollout_without_a_window_is_the_sde_step_by_step():
     sigmas, cond, model = torch.linspace(1, 0, 5), fake_cond(3), FakeVelocity()
     noise = torch.randn(3, 4, 3, 3, generator=torch.Generator().manual_seed(0))
-    latents, log_probs, means, final = window_rollout(model, noise, sigmas, (0, 4), "flow", 0.7, cond, 4.5,
-                                                      nullcontext(), torch.Generator().manual_seed(3))
-    want_latents, want_log_probs = rollout(model, noise, sigmas, "flow", 0.7, *cond, 4.5, nullcontext(),
-                                           torch.Generator().manual_seed(3))
-    assert torch.equal(latents, want_latents) and torch.equal(log_probs, want_log_probs)
-    assert torch.equal(final, want_latents[:, -1]) and means.shape == (3, 4, 4, 3, 3)
+    latents, log_probs, means, final = rollout(model, noise, sigmas, "flow", 0.7, *cond, 4.5,
+                                               nullcontext(), torch.Generator().manual_seed(3))
+    gen, x = torch.Generator().manual_seed(3), noise
+    for i in range(4):
+        v = predict_velocity(model, x, sigmas[i], *cond, 4.5)
+        x, log_prob, mean, _ = sde_step(v, x, sigmas[i], sigmas[i + 1], "flow", 0.7,
+                                        generator=gen, sigma_max=sigmas[1])
+        assert torch.equal(latents[:, i + 1], x) and torch.equal(log_probs[:, i], log_prob)
+        assert torch.equal(means[:, i], mean)
+    assert torch.equal(latents[:, 0], noise) and torch.equal(final, x) and latents.shape[1] == 5
 
 
 def test_guidance_one_runs_no_unconditional_forward():
@@ -150,24 +190,29 @@ def test_guidance_one_runs_no_unconditional_forward():
     x = torch.randn(3, 4, 3, 3)
     predict_velocity(model, x, 0.5, *cond, 1.0)
     predict_velocity(model, x, 0.5, *cond, 4.5)
-    assert model.batch_sizes == [3, 6]  # CFG doubles the batch ([uncond; cond]); guidance 1 runs the cond half only
+    # CFG doubles the batch ([uncond; cond]); guidance 1 runs the cond half only
+    assert model.batch_sizes == [3, 6]
     model.batch_sizes.clear()
-    window_rollout(model, x, torch.linspace(1, 0, 5), (1, 3), "cps", 0.8, cond, 1.0, nullcontext(), None)
+    rollout(model, x, torch.linspace(1, 0, 5), "cps", 0.8, *cond, 1.0, nullcontext(), None, (1, 3))
     assert model.batch_sizes == [3] * 4
 
 
 def test_ratio_norm_by_hand():
-    # one sample, two elements: old mean 0, new mean (0.1, -0.2), std s = 0.5, x' = old mean + s * eps with eps = (1, 1)
+    # one sample, two elements: old mean 0, new mean (0.1, -0.2), std s = 0.5,
+    # x' = old mean + s * eps with eps = (1, 1)
     old_mean, mean = torch.zeros(1, 2), torch.tensor([[0.1, -0.2]], requires_grad=True)
     s, x_next = torch.tensor([0.5]), torch.tensor([[0.5, 0.5]])
-    log_prob, old_log_prob = gaussian_log_prob(x_next, mean, s.view(-1, 1)), gaussian_log_prob(x_next, old_mean, s)
-    # raw: mean(((x' - old)^2 - (x' - new)^2) / (2 s^2)) = mean((0.25 - 0.16, 0.25 - 0.49) / 0.5) = mean(0.18, -0.48)
+    log_prob = gaussian_log_prob(x_next, mean, s.view(-1, 1))
+    old_log_prob = gaussian_log_prob(x_next, old_mean, s)
+    # raw: mean(((x' - old)^2 - (x' - new)^2) / (2 s^2)) = mean((0.25 - 0.16, 0.25 - 0.49) / 0.5)
+    # = mean(0.18, -0.48)
     assert (log_prob - old_log_prob).item() == pytest.approx(-0.15, abs=1e-6)
-    # bias mean((0.01, 0.04)) / (2 s^2) = 0.05 added back, times s: (-0.15 + 0.05) * 0.5 = mean(eps * dmu) = -0.05
+    # bias mean((0.01, 0.04)) / (2 s^2) = 0.05 added back, times s: (-0.15 + 0.05) * 0.5
+    # = mean(eps * dmu) = -0.05
     normed = ratio_norm_log_ratio(log_prob, old_log_prob, mean, old_mean, s)
     assert normed.item() == pytest.approx(-0.05, abs=1e-6)
     normed.sum().backward()
-    assert torch.allclose(mean.grad, torch.tensor([[0.5, 0.5]]))  # eps / D: no 1/s left in the gradient
+    assert torch.allclose(mean.grad, torch.tensor([[0.5, 0.5]]))  # eps / D: no 1/s left
     on_policy = ratio_norm_log_ratio(old_log_prob, old_log_prob, old_mean, old_mean, s)
     assert torch.equal(on_policy, torch.zeros(1))  # exactly on-policy: ratio exactly 1
 
@@ -178,17 +223,18 @@ def test_ratio_norm_is_mean_of_noise_times_mean_shift_at_any_step_std():
     for s in (0.006, 0.3, 0.7):  # Flow-GRPO's last and first SD3 step stds differ by 100x
         std, mean, x_next = torch.full((4,), s), old_mean + 0.01 * shift, old_mean + s * eps
         sd = std.view(-1, 1, 1, 1)
-        normed = ratio_norm_log_ratio(gaussian_log_prob(x_next, mean, sd), gaussian_log_prob(x_next, old_mean, sd),
-                                      mean, old_mean, std)
+        log_prob = gaussian_log_prob(x_next, mean, sd)
+        old_log_prob = gaussian_log_prob(x_next, old_mean, sd)
+        normed = ratio_norm_log_ratio(log_prob, old_log_prob, mean, old_mean, std)
         assert torch.allclose(normed, (eps * 0.01 * shift).mean(dim=(1, 2, 3)), atol=1e-5)
 
 
-# ---- end to end ----------------------------------------------------------------------------------------------------
+# ---- end to end ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def one_process_run(tiny_sd3, tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo1")
-    run_dir = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, out) + ["--epochs", "2", "--kl-beta", "0.04"])
-    return run_dir
+    flags = tiny_sd35_flags(tiny_sd3, out) + ["--epochs", "2", "--kl-beta", "0.04"]
+    return run_script(SCRIPT, flags)
 
 
 def test_one_process_run(one_process_run):
@@ -197,53 +243,65 @@ def test_one_process_run(one_process_run):
         assert m["losses/on_policy_ratio_dev"] < 1e-3
         assert math.isfinite(m["losses/kl"]) and math.isfinite(m["losses/approx_kl"])
     assert metrics[1]["losses/kl"] > 0  # after one update the LoRA moved away from the base model
-    ema = torch.load(one_process_run / "checkpoints" / "epoch_00002" / "state.pt", map_location="cpu")["ema"]
-    assert all(e.abs().sum() == 0 for e in ema[1::2])  # 4 optimizer steps < upstream's interval 8: EMA B still 0
+    state = one_process_run / "checkpoints" / "epoch_00002" / "state.pt"
+    ema = torch.load(state, map_location="cpu")["ema"]
+    # 4 optimizer steps < upstream's interval 8: the EMA's LoRA B is still 0
+    assert all(e.abs().sum() == 0 for e in ema[1::2])
 
 
 def test_ema_moves_per_micro_batch_at_upstreams_interval(tiny_sd3, tmp_path):
-    # 2 micro-batches per optimizer step, interval 2: the EMA moves after the micro-batches that see global_step = 1,
-    # i.e. twice with the weights after step 1 (end of epoch 0, start of epoch 1), each with decay min(0.9, 2 / 11)
-    run_dir = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path) + ["--epochs", "2", "--updates-per-epoch", "1",
-                                                                        "--ema-interval", "2", "--kl-beta", "0"])
+    # 2 micro-batches per optimizer step, interval 2: the EMA moves after the micro-batches that
+    # see global_step = 1, i.e. twice with the weights after step 1 (end of epoch 0, start of
+    # epoch 1), each with decay min(0.9, 2 / 11)
+    flags = ["--epochs", "2", "--updates-per-epoch", "1", "--ema-interval", "2", "--kl-beta", "0"]
+    run_dir = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path) + flags)
     step1 = lora_tensors(run_dir / "checkpoints" / "epoch_00001")
-    ema = torch.load(run_dir / "checkpoints" / "epoch_00002" / "state.pt", map_location="cpu")["ema"]
-    assert all(torch.allclose(e, (1 - (2 / 11) ** 2) * p, atol=1e-7) for e, p in zip(ema[1::2], step1[1::2]))
-    assert not torch.equal(step1[1], lora_tensors(run_dir / "checkpoints" / "epoch_00002")[1])  # step 2 moved on
+    state = run_dir / "checkpoints" / "epoch_00002" / "state.pt"
+    ema = torch.load(state, map_location="cpu")["ema"]
+    assert all(torch.allclose(e, (1 - (2 / 11) ** 2) * p, atol=1e-7)
+               for e, p in zip(ema[1::2], step1[1::2]))
+    # step 2 moved on
+    assert not torch.equal(step1[1], lora_tensors(run_dir / "checkpoints" / "epoch_00002")[1])
 
 
 def test_resume_matches_uninterrupted_run(tiny_sd3, tmp_path, one_process_run):
     first = cut_back_copy(one_process_run, tmp_path / "a")  # as if it had stopped after epoch 1
-    resumed = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path / "a") + [
-        "--epochs", "2", "--kl-beta", "0.04", "--resume", str(first / "checkpoints" / "epoch_00001")])
-    assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]  # continues its run dir
+    resume = ["--resume", str(first / "checkpoints" / "epoch_00001")]
+    resumed = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path / "a")
+                         + ["--epochs", "2", "--kl-beta", "0.04"] + resume)
+    # it continues its run directory
+    assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]
     want = lora_tensors(one_process_run / "checkpoints" / "epoch_00002")
     got = lora_tensors(resumed / "checkpoints" / "epoch_00002")
     assert all(torch.allclose(w, g, atol=1e-6) for w, g in zip(want, got))
 
 
 def test_two_process_torchrun(tiny_sd3, tmp_path):
-    run_dir = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path, precision="bf16") + ["--epochs", "2", "--batch-size", "2"],
-                         nproc=2)
+    flags = tiny_sd35_flags(tiny_sd3, tmp_path, precision="bf16")
+    run_dir = run_script(SCRIPT, flags + ["--epochs", "2", "--batch-size", "2"], nproc=2)
     for m in assert_common_run(run_dir, epochs=2):
         assert m["losses/on_policy_ratio_dev"] < 1e-3
 
 
 def test_learning_toy_accuracy_rises(tmp_path):
-    # Flow-GRPO-Fast on the toy world (window 3 in the 5 high-noise steps, CPS, no CFG), one on-policy update per epoch
-    # on all 96 images (~50 s CPU). An epoch's policy gradient is mostly noise (its two halves' gradients have cosine
-    # ~0.0-0.25), so only small steps help: lr 1e-2 collapses. Held-out gains after 10 epochs, seeds 42/1/2:
-    # +0.115/+0.083/+0.021 (after 15: +0.125/+0.042/-0.010); a no-op gains exactly 0.
+    # Flow-GRPO-Fast on the toy world (window 3 in the 5 high-noise steps, CPS, no CFG), one
+    # on-policy update per epoch on all 96 images (~50 s CPU). An epoch's policy gradient is
+    # mostly noise (its two halves' gradients have cosine ~0.0-0.25), so only small steps help:
+    # lr 1e-2 collapses. Held-out gains after 10 epochs, seeds 42/1/2: +0.115/+0.083/+0.021
+    # (after 15: +0.125/+0.042/-0.010); a no-op gains exactly 0.
     run_dir = run_script(SCRIPT, toy_flags(TOY_SD3, tmp_path) + TOY_FAST + ["--epochs", "10"])
     assert_accuracy_rose(read_metrics(run_dir), min_gain=0.06)
 
 
-TOY_FAST = ["--batch-size", "16", "--updates-per-epoch", "1", "--learning-rate", "1e-3", "--guidance-scale", "1",
-            "--sde-window-size", "3", "--sde-window-range", "0", "5", "--sde-kind", "cps", "--noise-level", "0.8",
-            "--clip-range", "1e-5"]
-FAST_NOCFG = ["--sde-window-size", "2", "--sde-window-range", "0", "3", "--sde-kind", "cps", "--noise-level", "0.8",
-              "--clip-range", "1e-5", "--guidance-scale", "1", "--kl-beta", "0.04"]  # upstream *_fast_nocfg, plus a KL
-GUARD = ["--ratio-norm", "--clip-range", "2e-6", "--learning-rate", "1e-4", "--kl-beta", "0", "--per-group-std"]
+TOY_FAST = ["--batch-size", "16", "--updates-per-epoch", "1", "--learning-rate", "1e-3",
+            "--guidance-scale", "1", "--sde-window-size", "3", "--sde-window-range", "0", "5",
+            "--sde-kind", "cps", "--noise-level", "0.8", "--clip-range", "1e-5"]
+# upstream *_fast_nocfg, plus a KL
+FAST_NOCFG = ["--sde-window-size", "2", "--sde-window-range", "0", "3", "--sde-kind", "cps",
+              "--noise-level", "0.8", "--clip-range", "1e-5", "--guidance-scale", "1",
+              "--kl-beta", "0.04"]
+GUARD = ["--ratio-norm", "--clip-range", "2e-6", "--learning-rate", "1e-4", "--kl-beta", "0",
+         "--per-group-std"]
 
 
 def run_printing(flags: list[str], nproc: int = 1):
@@ -257,50 +315,66 @@ def run_printing(flags: list[str], nproc: int = 1):
 
 @pytest.fixture(scope="module")
 def fast_run(tiny_sd3, tmp_path_factory):
-    return run_printing(tiny_sd35_flags(tiny_sd3, tmp_path_factory.mktemp("fast")) + FAST_NOCFG + ["--epochs", "2"])
+    out = tmp_path_factory.mktemp("fast")
+    return run_printing(tiny_sd35_flags(tiny_sd3, out) + FAST_NOCFG + ["--epochs", "2"])
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
 @pytest.mark.parametrize("recipe", ["fast", "guard"])
-def test_recipe_runs_train_the_window_and_stay_on_policy(tiny_sd3, tmp_path, fast_run, nproc, recipe):
-    flags = tiny_sd35_flags(tiny_sd3, tmp_path) + (FAST_NOCFG if recipe == "fast" else GUARD + ["--sde-window-size", "2"])
-    run_dir, stdout = fast_run if (recipe, nproc) == ("fast", 1) else run_printing(
-        flags + ["--epochs", "2", "--batch-size", str(4 // nproc)], nproc)
-    # 8 images / (nproc x batch 4 // nproc) = 2 micro-batches per GPU, 1 per update, each trains only the window's 2 steps
+def test_recipe_runs_train_the_window_and_stay_on_policy(tiny_sd3, tmp_path, fast_run, nproc,
+                                                         recipe):
+    recipe_flags = FAST_NOCFG if recipe == "fast" else GUARD + ["--sde-window-size", "2"]
+    flags = tiny_sd35_flags(tiny_sd3, tmp_path) + recipe_flags
+    if (recipe, nproc) == ("fast", 1):
+        run_dir, stdout = fast_run
+    else:
+        run_dir, stdout = run_printing(flags + ["--epochs", "2", "--batch-size", str(4 // nproc)],
+                                       nproc)
+    # 8 images / (nproc x batch 4 // nproc) = 2 micro-batches per GPU, 1 per update, each
+    # trains only the window's 2 steps
     assert "2 updates/epoch of 2 micro-steps each" in stdout, stdout
     metrics = assert_common_run(run_dir, epochs=2)
     for m in metrics:
-        assert m["losses/on_policy_ratio_dev"] < 1e-6  # the first micro-step re-scores the rollout exactly
-    assert (metrics[-1]["losses/kl"] > 0) == (recipe == "fast")  # CPS's KL (its step std), none at --kl-beta 0
+        assert m["losses/on_policy_ratio_dev"] < 1e-6  # the first micro-step re-scores exactly
+    # CPS's KL (its step std), none at --kl-beta 0
+    assert (metrics[-1]["losses/kl"] > 0) == (recipe == "fast")
 
 
 def test_ratio_norm_over_every_step(tiny_sd3, tmp_path):
-    run_dir, stdout = run_printing(tiny_sd35_flags(tiny_sd3, tmp_path) + GUARD + ["--epochs", "2"])
-    assert "of 3 micro-steps each" in stdout  # no window: the first int(4 x 0.99) = 3 steps, as the May-2025 run
+    flags = tiny_sd35_flags(tiny_sd3, tmp_path) + GUARD + ["--epochs", "2"]
+    run_dir, stdout = run_printing(flags)
+    # no window: the first int(4 x 0.99) = 3 steps, as the May-2025 run
+    assert "of 3 micro-steps each" in stdout
     for m in assert_common_run(run_dir, epochs=2):
         assert m["losses/on_policy_ratio_dev"] < 1e-6
 
 
 def test_window_run_resumes_exactly(tiny_sd3, tmp_path, fast_run):
     first = cut_back_copy(fast_run[0], tmp_path / "a")  # as if it had stopped after epoch 1
-    resumed, _ = run_printing(tiny_sd35_flags(tiny_sd3, tmp_path / "a") + FAST_NOCFG + [
-        "--epochs", "2", "--resume", str(first / "checkpoints" / "epoch_00001")])
+    resume = ["--resume", str(first / "checkpoints" / "epoch_00001")]
+    resumed, _ = run_printing(tiny_sd35_flags(tiny_sd3, tmp_path / "a") + FAST_NOCFG
+                              + ["--epochs", "2"] + resume)
     want = lora_tensors(fast_run[0] / "checkpoints" / "epoch_00002")
-    assert all(torch.allclose(w, g, atol=1e-6) for w, g in zip(want, lora_tensors(resumed / "checkpoints" / "epoch_00002")))
-    assert read_metrics(resumed)[1]["reward/mean"] == read_metrics(fast_run[0])[1]["reward/mean"]  # same windows, noise
+    got = lora_tensors(resumed / "checkpoints" / "epoch_00002")
+    assert all(torch.allclose(w, g, atol=1e-6) for w, g in zip(want, got))
+    # the same windows and noise
+    assert read_metrics(resumed)[1]["reward/mean"] == read_metrics(fast_run[0])[1]["reward/mean"]
 
 
 def test_eval_guidance_scale_is_used_by_eval_only(tiny_sd3, tmp_path, one_process_run):
-    ckpt = str(one_process_run / "checkpoints" / "epoch_00002")
-    evals = [read_metrics(run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path / name) + [
-        "--eval-only", "--resume", ckpt] + flags))[0]["eval/reward_mean"]
-        for name, flags in [("same", ["--eval-guidance-scale", "4.5"]), ("one", ["--eval-guidance-scale", "1"])]]
-    assert evals[0] == read_metrics(one_process_run)[-1]["eval/final_reward_mean"] and evals[1] != evals[0]
+    resume = ["--eval-only", "--resume", str(one_process_run / "checkpoints" / "epoch_00002")]
+    evals = []
+    for name, scale in [("same", "4.5"), ("one", "1")]:
+        flags = tiny_sd35_flags(tiny_sd3, tmp_path / name) + resume
+        run_dir = run_script(SCRIPT, flags + ["--eval-guidance-scale", scale])
+        evals.append(read_metrics(run_dir)[0]["eval/reward_mean"])
+    assert evals[0] == read_metrics(one_process_run)[-1]["eval/final_reward_mean"]
+    assert evals[1] != evals[0]
 
 
 @pytest.mark.parametrize("flags,message", [
     (["--sde-window-size", "3", "--sde-window-range", "0", "2"], "does not fit"),
-    (["--sde-window-size", "2", "--sde-window-range", "3", "5"], "does not fit"),  # B > --num-steps 4
+    (["--sde-window-size", "2", "--sde-window-range", "3", "5"], "does not fit"),  # B > 4 steps
     (["--sde-window-size", "-1"], "does not fit"),
     (["--ratio-norm", "--sde-kind", "cps"], "--ratio-norm needs --sde-kind flow"),
     (["--train-prompts", "missing.txt"], "does not exist"),
@@ -317,8 +391,8 @@ def test_bad_input_is_rejected_before_loading(tiny_sd3, tmp_path, flags, message
 def test_empty_prompt_file_is_rejected(tiny_sd3, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
-    assert_bad_input(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path / "out") + ["--train-prompts", str(empty)],
-                     "is empty")
+    flags = tiny_sd35_flags(tiny_sd3, tmp_path / "out") + ["--train-prompts", str(empty)]
+    assert_bad_input(SCRIPT, flags, "is empty")
 
 
 def test_toy_reward_flag_is_the_default_of_the_harness():
@@ -326,8 +400,9 @@ def test_toy_reward_flag_is_the_default_of_the_harness():
 
 
 def test_non_finite_loss_stops_with_message_and_keeps_checkpoint(tiny_sd3, tmp_path):
-    flags = tiny_sd35_flags(tiny_sd3, tmp_path) + ["--epochs", "3", "--reward", "tests/toy_rewards.py:nan_after_two_batches",
-                                                    "--eval-reward", TOY_REWARD]
+    flags = tiny_sd35_flags(tiny_sd3, tmp_path) + [
+        "--epochs", "3", "--reward", "tests/toy_rewards.py:nan_after_two_batches",
+        "--eval-reward", TOY_REWARD]
     proc = run_script(SCRIPT, flags, check=False)
     assert proc.returncode != 0 and "non-finite" in proc.stderr.strip().splitlines()[-1]
     checkpoints = sorted((p for p in tmp_path.glob("*/checkpoints/*")), key=lambda p: p.name)
@@ -340,11 +415,12 @@ def test_saved_lora_loads_into_the_diffusers_pipeline(tiny_sd3, one_process_run)
 
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3)
     pipe.load_lora_weights(str(one_process_run / "checkpoints" / "epoch_00002" / "lora"))
-    image = pipe("a sign that says \"hi\"", num_inference_steps=2, height=32, width=32, output_type="pt").images
+    image = pipe("a sign that says \"hi\"", num_inference_steps=2, height=32, width=32,
+                 output_type="pt").images
     assert image.shape == (1, 3, 32, 32) and torch.isfinite(image).all()
 
 
 def test_eval_only_scores_a_checkpoint(tiny_sd3, tmp_path, one_process_run):
     ckpt = one_process_run / "checkpoints" / "epoch_00002"
-    run_dir = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path) + ["--eval-only", "--resume", str(ckpt)])
-    assert_eval_only_reproduces(run_dir, one_process_run)
+    flags = tiny_sd35_flags(tiny_sd3, tmp_path) + ["--eval-only", "--resume", str(ckpt)]
+    assert_eval_only_reproduces(run_script(SCRIPT, flags), one_process_run)
