@@ -58,7 +58,6 @@ from tqdm import tqdm
 import rewards
 from sde import sde_step, shift_sigmas
 
-
 @dataclass
 class Args:
     # Experiment
@@ -85,6 +84,8 @@ class Args:
     """autocast dtype, and that of the frozen weights (trained ones and VAE: fp32)"""
     gradient_checkpointing: bool = True
     """recompute activations in the backward pass (FLUX has 12B parameters)"""
+    full_finetune: bool = False
+    """train every weight, as the paper (not LoRA): fp32, FSDP2-sharded, bf16 autocast"""
     lora_rank: int = 128
     """LoRA rank on to_q/to_k/to_v/to_out.0 of every attention"""
     lora_alpha: int = 256
@@ -157,22 +158,15 @@ class Args:
     """every image of a group starts from the same initial latent"""
     on_policy_tol: float = 1e-3
     """warn when the epoch's first micro-step has max |ratio - 1| above this"""
-    # Full fine-tuning (FSDP2)
-    full_finetune: bool = False
-    """train every transformer weight, as the paper: fp32, sharded per block, bf16 autocast"""
-
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # of double- and single-stream blocks
 STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other values of these
-# seed keys that give the trained steps and the group noise random streams of their own
-STEP_STREAM, GROUP_NOISE_STREAM = 1, 2
-
+STEP_STREAM, GROUP_NOISE_STREAM = 1, 2  # seed keys: random streams of their own
 
 # ALGO LOGIC: the sigma grid, the SDE rollout, advantages, trained steps, the loss
 def dance_sigmas(num_steps: int, shift: float) -> torch.Tensor:
     """(num_steps + 1,) sigmas from 1 to 0: a uniform grid, time-shifted."""
     return shift_sigmas(torch.linspace(1, 0, num_steps + 1), shift)
-
 
 def draw_sde_window(size: int, window_range: tuple[int, int], num_steps: int, generator):
     """The SDE steps [start, start + size) of one micro-batch, the start uniform in A..B - size
@@ -182,7 +176,6 @@ def draw_sde_window(size: int, window_range: tuple[int, int], num_steps: int, ge
     low, high = window_range
     start = torch.randint(low, high - size + 1, (), generator=generator, device=generator.device)
     return int(start), int(start) + size
-
 
 @torch.no_grad()
 def rollout(transformer, noise, sigmas, window, noise_level, cond, guidance_scale, autocast,
@@ -207,7 +200,6 @@ def rollout(transformer, noise, sigmas, window, noise_level, cond, guidance_scal
             log_probs.append(log_prob)
     return latents, log_probs, x0_hat
 
-
 def group_advantages(rewards, group_ids, eps: float = 1e-8) -> torch.Tensor:
     """(reward - group mean) / (group std + eps), the std unbiased as upstream's torch .std();
     rewards, group_ids: (N,). A group whose rewards are all equal gets zeros."""
@@ -217,7 +209,6 @@ def group_advantages(rewards, group_ids, eps: float = 1e-8) -> torch.Tensor:
     group_var = torch.bincount(group_ids, centered**2) / (count - 1)
     return (centered / (group_var.sqrt()[group_ids] + eps)).float()
 
-
 def select_train_steps(batch: int, num_steps: int, fraction: float, generator):
     """(batch, K) step indices: each sample's own random K = int((num_steps - 1) * fraction)
     of its first num_steps - 1 steps. Upstream never trains the last, sharpest step."""
@@ -225,31 +216,23 @@ def select_train_steps(batch: int, num_steps: int, fraction: float, generator):
     order = torch.rand(batch, candidates, generator=generator).argsort(dim=1)
     return order[:, : int(candidates * fraction)]
 
-
-def grpo_loss(log_prob, old_log_prob, advantages, clip_range, adv_clip, num_accumulated):
-    """The loss of one micro-step (one trained step of each sample of a micro-batch); returns
-    (loss to backpropagate, policy loss, ratio). log_prob, old_log_prob, advantages: (B,).
-
-    - advantages are clipped to +-adv_clip, so that a few outlier images cannot dominate.
-    - ratio = exp(log pi_theta - log pi_old) of the trained step; the loss is PPO's
-      max(-A r, -A clip(r, 1 - clip_range, 1 + clip_range)). The epoch's first optimizer step
-      is on-policy (r = 1); later ones are not, and the clip keeps them near the rollout
-      policy. The clip range is tiny because log-probs are means over elements (sde.py).
-    - / num_accumulated: the gradients of the micro-steps of one optimizer step add up, so the
-      step follows their mean.
-    """
-    clipped_advantages = advantages.clamp(-adv_clip, adv_clip)
+def grpo_loss(log_prob, old_log_prob, advantages, clip_range, adv_clip, accum_steps):
+    """One micro-step's loss (a trained step of each sample of a micro-batch); returns (loss to
+    backward, policy loss, ratio). log_prob, old_log_prob, advantages: (B,). The factors:
+    - advantages clipped to +-adv_clip, so that a few outliers cannot dominate;
+    - PPO's max(-A ratio, -A clip(ratio, 1 +- clip_range)): the epoch's first optimizer step
+      is on-policy (ratio 1), later ones are not and the clip keeps them near the rollout
+      policy. It is tiny as log-probs are means over elements (sde.py);
+    - / accum_steps: an optimizer step adds up accum_steps micro-steps' gradients."""
+    advantages = advantages.clamp(-adv_clip, adv_clip)
     ratio = torch.exp(log_prob - old_log_prob)
-    unclipped = -clipped_advantages * ratio
-    clipped = -clipped_advantages * ratio.clamp(1 - clip_range, 1 + clip_range)
-    policy_loss = torch.maximum(unclipped, clipped).mean()
-    return policy_loss / num_accumulated, policy_loss, ratio
+    clipped_ratio = ratio.clamp(1 - clip_range, 1 + clip_range)
+    policy_loss = torch.maximum(-advantages * ratio, -advantages * clipped_ratio).mean()
+    return policy_loss / accum_steps, policy_loss, ratio
 
-
-# TRY NOT TO MODIFY: input checks, prompts, distributed helpers
+# TRY NOT TO MODIFY: input checks, prompts, the FLUX model, eval, sharding, checkpoints
 def fail(message: str):
     raise SystemExit(f"error: {message}")
-
 
 def check_args(args) -> dict | None:
     """The checks that need no weights; returns the --resume checkpoint's state."""
@@ -301,14 +284,11 @@ def check_args(args) -> dict | None:
              "epochs: nothing to train")
     return state
 
-
-
 def load_prompts(path: str) -> tuple[list[str], list[dict]]:
     """One prompt per line, or JSONL with a `prompt` field -> (prompts, their JSONL rows)."""
     if not os.path.isfile(path):
         fail(f"prompt file {path!r} does not exist")
-    with open(path, encoding="utf-8") as file:
-        lines = [line.strip() for line in file if line.strip()]
+    lines = [line.strip() for line in open(path, encoding="utf-8") if line.strip()]
     if not lines:
         fail(f"prompt file {path!r} is empty")
     if not path.endswith(".jsonl"):
@@ -318,21 +298,6 @@ def load_prompts(path: str) -> tuple[list[str], list[dict]]:
         fail(f"every line of {path!r} needs a 'prompt' field")
     return [row["prompt"] for row in rows], rows
 
-
-def setup_distributed() -> tuple[int, int, torch.device]:
-    """torchrun sets RANK/WORLD_SIZE: nccl on CUDA, gloo on CPU; `python` runs one process."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        # cuDNN attention's backward crashed or returned NaN on FLUX (torch 2.11, H100)
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    if "RANK" not in os.environ:
-        return 0, 1, device
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size(), device
-
-
 def all_gather_cat(tensor: torch.Tensor, world: int) -> torch.Tensor:
     """Concatenate an equally-shaped tensor from every rank, in rank order."""
     if world == 1:
@@ -341,32 +306,26 @@ def all_gather_cat(tensor: torch.Tensor, world: int) -> torch.Tensor:
     dist.all_gather(gathered, tensor.contiguous())
     return torch.cat(gathered)
 
-
 def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
     """Seeded by (seed, epoch, rank, ...): draws repeat on resume, with no state to save."""
     seed = int(np.random.SeedSequence(list(keys)).generate_state(1)[0])
     return torch.Generator(device).manual_seed(seed)
 
-
-# TRY NOT TO MODIFY: the FLUX model (token positions, velocity, decode) and eval
 def image_ids(height: int, width: int, device) -> torch.Tensor:
     """(height * width, 3) RoPE positions (0, row, col) of the packed latent tokens."""
     return FluxPipeline._prepare_latent_image_ids(1, height, width, device, torch.float32)
-
 
 def predict_velocity(transformer, x, sigma, embeds, pooled, text_ids, img_ids, guidance_scale):
     """FLUX's velocity of packed latents x (B, L, 4C); sigma: a float or (B,). No CFG: the
     guidance scale is an input. The timestep is sigma floored to 1/1000, as upstream."""
     sigma = torch.as_tensor(sigma, device=x.device, dtype=torch.float32).expand(x.shape[0])
     timestep = torch.floor(sigma * 1000) / 1000
-    guidance = None
-    if transformer.config.guidance_embeds:
-        guidance = torch.full_like(timestep, guidance_scale)
+    has_guidance = transformer.config.guidance_embeds  # FLUX.1-dev: yes
+    guidance = torch.full_like(timestep, guidance_scale) if has_guidance else None
     v = transformer(hidden_states=x, timestep=timestep, guidance=guidance,
                     encoder_hidden_states=embeds, pooled_projections=pooled, txt_ids=text_ids,
                     img_ids=img_ids, return_dict=False)[0]
     return v.float()
-
 
 @torch.no_grad()
 def decode(pipe, latents, resolution: int) -> torch.Tensor:
@@ -376,19 +335,10 @@ def decode(pipe, latents, resolution: int) -> torch.Tensor:
     return (pipe.vae.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
 
 
-def contact_sheet(images: list[np.ndarray], path: str):
-    """Save (H, W, 3) uint8 images as one near-square grid PNG (black cells fill the end)."""
-    cols = math.ceil(math.sqrt(len(images)))
-    images = images + [np.zeros_like(images[0])] * (-len(images) % cols)
-    rows = [np.concatenate(images[i : i + cols], axis=1) for i in range(0, len(images), cols)]
-    Image.fromarray(np.concatenate(rows, axis=0)).save(path)
-
-
 @torch.no_grad()
 def evaluate(pipe, args, prompts, metadata, reward_fn, sigmas, img_ids, rank, world, device,
              autocast, shape):
-    """ODE-sample the test prompts (prompt i on rank i % world, noise seed i) -> (means of the
-    reward and its info, contact sheet images)."""
+    """ODE-sample the test prompts (i on rank i % world, seed i) -> (means, contact sheet)."""
     scores, sheet = [], []
     for start in range(rank, len(prompts), world * args.eval_batch_size):
         ids = range(start, len(prompts), world)[: args.eval_batch_size]  # this rank's next
@@ -415,11 +365,12 @@ def evaluate(pipe, args, prompts, metadata, reward_fn, sigmas, img_ids, rank, wo
         scores = [score for rank_scores, _ in gathered for score in rank_scores]
         sheet = [item for _, rank_sheet in gathered for item in rank_sheet]
     means = {name: float(np.mean([score[name] for score in scores])) for name in scores[0]}
-    sheet.sort(key=lambda item: item[0])
-    return means, [pixels for _, pixels in sheet]
+    images = [pixels for _, pixels in sorted(sheet, key=lambda item: item[0])]
+    cols = math.ceil(math.sqrt(len(images)))  # a near-square grid, black cells end the last row
+    images += [np.zeros_like(images[0])] * (-len(images) % cols)
+    rows = [np.concatenate(images[i : i + cols], axis=1) for i in range(0, len(images), cols)]
+    return means, np.concatenate(rows, axis=0)
 
-
-# TRY NOT TO MODIFY: sharding, the optimizer step, checkpoints, the run directory
 def shard_for_full_finetune(transformer):
     """fp32 and trainable, then FSDP2-sharded: each FLUX block, then the root."""
     transformer.float().requires_grad_(True)
@@ -429,11 +380,8 @@ def shard_for_full_finetune(transformer):
         fully_shard(block)
     fully_shard(transformer)
 
-
-def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where, run_dir,
-                   sharded: bool):
-    """Average the gradients over ranks (FSDP2 averages sharded ones itself), unscale, clip,
-    stop on a non-finite loss or gradient (fp16's scaler skips those), step -> gradient norm."""
+def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where, run_dir, sharded):
+    """Average grads over ranks (FSDP2 already did), unscale, clip, check, step -> grad norm."""
     if world > 1 and not sharded:  # one flat all-reduce: one call, not one per tensor
         flat = torch.cat([p.grad.flatten() for p in params])
         dist.all_reduce(flat)
@@ -442,26 +390,22 @@ def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where,
             p.grad.copy_(grad.view_as(p))
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    if not scaler.is_enabled():
+    if not scaler.is_enabled():  # fp16's scaler skips non-finite steps itself
         check_finite(where, run_dir, loss=loss, gradient=grad_norm)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
 
-
-
 def sharded_state(transformer, optimizer, ema_params) -> dict:
     """What torch.distributed.checkpoint saves, and loads in place: this rank's shards."""
     model, optim = get_state_dict(transformer, optimizer)
     return {"model": model, "optimizer": optim, "ema": dict(zip(model, ema_params))}
 
-
 def save_checkpoint(path, transformer, params, ema_params, optimizer, next_epoch, global_step,
                     args, rank: int):
-    """On all ranks. Atomic: written to a hidden directory (that --resume refuses), then
-    renamed. LoRA: `lora/`, `ema_lora/` diffusers LoRAs; --full-finetune: `dcp/` shards, and
-    after the last epoch diffusers `transformer/` (and `ema_transformer/`)."""
+    """On all ranks; atomic (a hidden directory, renamed). LoRA: diffusers `lora/`, `ema_lora/`;
+    --full-finetune: `dcp/` shards and, at the end, diffusers `(ema_)transformer/`."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     state = {"next_epoch": next_epoch, "global_step": global_step, "args": asdict(args)}
     if args.full_finetune:
@@ -501,11 +445,9 @@ def save_checkpoint(path, transformer, params, ema_params, optimizer, next_epoch
         os.rename(tmp, path)
         shutil.rmtree(path + ".old", ignore_errors=True)
 
-
 @contextmanager
 def swapped(params, copies):
-    """Temporarily put `copies` (the EMA; [] swaps nothing) into the live parameters, by
-    copying: FSDP2's sharded parameters must keep their storage."""
+    """Copy `copies` (the EMA; []: nothing) in, and back out (FSDP2's shards keep storage)."""
     def swap():
         for p, copy in zip(params, copies):
             live = p.data.clone()
@@ -517,7 +459,6 @@ def swapped(params, copies):
     finally:
         swap()
 
-
 def prepare_run_dir(run_dir: str, start_epoch: int):
     """Create it; a resumed one drops a crashed save's and the redone epochs' metrics."""
     for tmp in glob.glob(os.path.join(run_dir, "checkpoints", ".*")):
@@ -528,12 +469,10 @@ def prepare_run_dir(run_dir: str, start_epoch: int):
     with open(path, "w") as file:
         file.writelines(line for line in lines if json.loads(line)["epoch"] < start_epoch)
 
-
 def rank_mean(values: dict[str, float], world: int, device) -> dict[str, float]:
     """The mean of each value over ranks (logged stats are the whole run's, not rank 0's)."""
     row = torch.tensor([list(values.values())], dtype=torch.float64, device=device)
     return dict(zip(values, all_gather_cat(row, world).mean(0).tolist()))
-
 
 def check_finite(where: str, run_dir: str, **values):
     """Stop with one line naming the first non-finite value and the last checkpoint."""
@@ -542,7 +481,6 @@ def check_finite(where: str, run_dir: str, **values):
             saved = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
             last = saved[-1] if saved else "none saved yet"
             fail(f"non-finite {name} at {where}; stopping. Last checkpoint: {last}")
-
 
 if __name__ == "__main__":
     # TRY NOT TO MODIFY: input checks, rewards and the run directory, before any model loads
@@ -562,7 +500,15 @@ if __name__ == "__main__":
     if num_train_steps < 1:
         fail(f"--timestep-fraction {args.timestep_fraction} trains no step of the first "
              f"--num-steps {args.num_steps} - 1 transitions; raise either")
-    rank, world, device = setup_distributed()
+    rank, world, device = 0, 1, torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+        torch.cuda.set_device(device)
+        # cuDNN attention's backward crashed or returned NaN on FLUX (torch 2.11, H100)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    if "RANK" in os.environ:  # set by torchrun: nccl on CUDA, gloo on CPU
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
     quiet = rank != 0 or not sys.stderr.isatty()  # progress bars only on rank 0's terminal
     try:  # a bad reward file or a reward server that does not answer fails here
         rewards.check_prompts(args.reward, train_prompts)
@@ -581,10 +527,9 @@ if __name__ == "__main__":
             config = FluxTransformer2DModel.load_config(args.model, subfolder="transformer")
             model = FluxTransformer2DModel.from_config(config)
             need = 16e-9 * sum(p.numel() for p in model.parameters())
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
         if device.type == "cuda":
             have = torch.cuda.get_device_properties(device).total_memory / 1e9
-        else:
-            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
         if need > have:
             fail(f"--full-finetune needs {need:.0f} GB (fp32 weights+grads+AdamW), "
                  f"one {device.type} has {have:.0f} GB")
@@ -593,8 +538,7 @@ if __name__ == "__main__":
         fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split into "
              f"{world} GPUs x batch-size {args.batch_size}; change --prompts-per-epoch, "
              "--group-size or --batch-size")
-    local_images = images_per_epoch // world  # images sampled by this rank per epoch
-    local = slice(rank * local_images, (rank + 1) * local_images)  # this rank's in all ranks'
+    local_images = images_per_epoch // world  # the images this rank samples per epoch
     num_batches = local_images // args.batch_size
     run_name = [f"{args.exp_name}__{args.seed}__{int(time.time())}"]
     if world > 1:
@@ -607,18 +551,18 @@ if __name__ == "__main__":
     # ALGO LOGIC: from images to optimizer steps. The defaults on 8 GPUs: 16 prompts x 12
     # images = 192 images per epoch, 24 per GPU = 24 micro-batches of 1. Each sample trains
     # int(11 x 0.6) = 6 of its first 11 steps, one forward and backward each (a micro-step).
-    # 2 updates per epoch: a step every 12 micro-batches x 6 steps = 72 micro-steps, whose
-    # gradients are averaged (grpo_loss divides by 72), then averaged over the 8 GPUs.
+    # 2 updates per epoch: an optimizer step every 12 micro-batches x 6 steps = 72 micro-steps
+    # (accum_steps), whose gradients are averaged, then averaged over the 8 GPUs.
     if num_batches % args.updates_per_epoch:
         fail(f"{num_batches} micro-batches per GPU per epoch do not split into "
              f"--updates-per-epoch {args.updates_per_epoch}; change --updates-per-epoch "
              "or --batch-size")
-    accum = num_batches // args.updates_per_epoch * num_train_steps  # micro-steps per step
+    accum_steps = num_batches // args.updates_per_epoch * num_train_steps
     if rank == 0:
         devices = "GPU(s)" if device.type == "cuda" else "process(es)"
         print(f"{world} {devices} x {num_batches} micro-batches x {args.batch_size} = "
               f"{images_per_epoch} images/epoch ({args.prompts_per_epoch} prompts x "
-              f"{args.group_size}); {args.updates_per_epoch} updates/epoch of {accum} "
+              f"{args.group_size}); {args.updates_per_epoch} updates/epoch of {accum_steps} "
               f"micro-steps each; run dir {run_dir}")
 
     # TRY NOT TO MODIFY: the model: frozen base in bf16/fp16, trained weights and VAE in fp32
@@ -644,9 +588,8 @@ if __name__ == "__main__":
     scaler = torch.amp.GradScaler(device.type, enabled=args.mixed_precision == "fp16")
     ema_params = [p.detach().clone() for p in params]
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    # FLUX packs 2x2 latent pixels into a token: a grid of (tokens, 4 x the VAE's channels)
-    grid_size = args.resolution // pipe.vae_scale_factor // 2
-    latent_shape = (grid_size**2, transformer.config.in_channels)
+    grid_size = args.resolution // pipe.vae_scale_factor // 2  # FLUX packs 2x2 into a token
+    latent_shape = (grid_size**2, transformer.config.in_channels)  # (tokens, 4 x VAE channels)
     img_ids = image_ids(grid_size, grid_size, device)
 
     # ALGO LOGIC: the sigma grids
@@ -683,7 +626,7 @@ if __name__ == "__main__":
                                     latent_shape)
         if rank == 0:
             path = os.path.join(run_dir, f"eval_{epoch:05d}.png")
-            contact_sheet(sheet, path)
+            Image.fromarray(sheet).save(path)
             reward_name = args.eval_reward or args.reward
             print(f"eval after {epoch} epochs: {reward_name} = {means['reward_mean']:.4f}")
             if args.track:
@@ -696,26 +639,23 @@ if __name__ == "__main__":
     for epoch in range(start_epoch, 0 if args.eval_only else args.epochs):
         epoch_start = time.time()
         metrics = run_eval(epoch) if epoch % args.eval_every == 0 else {}
-        # the same prompts on every rank: distinct ones when there are enough
-        prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
-        if len(train_prompts) >= args.prompts_per_epoch:
-            chosen = torch.randperm(len(train_prompts), generator=prompt_gen)
-            chosen = chosen[: args.prompts_per_epoch]
+        prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)  # as on all ranks
+        num_prompts, per_epoch = len(train_prompts), args.prompts_per_epoch
+        if num_prompts >= per_epoch:  # distinct prompts when there are enough
+            chosen = torch.randperm(num_prompts, generator=prompt_gen)[:per_epoch]
         else:
-            chosen = torch.randint(len(train_prompts), (args.prompts_per_epoch,),
-                                   generator=prompt_gen)
+            chosen = torch.randint(num_prompts, (per_epoch,), generator=prompt_gen)
 
         # ALGO LOGIC: sampling. Every rank shuffles the epoch's images the same way and samples
         # its own slice of them, so each prompt's group is spread over the ranks.
         order = torch.randperm(images_per_epoch, generator=prompt_gen)
         group_ids = torch.arange(args.prompts_per_epoch).repeat_interleave(args.group_size)
         group_ids = group_ids[order]  # (P*G,) the prompt (group) of each image, on all ranks
-        my_groups = group_ids[local].view(num_batches, args.batch_size)
+        my_groups = group_ids.view(world, num_batches, args.batch_size)[rank]
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
         transformer.eval()
-        # each prompt is encoded once: T5 (U, L, 4096), CLIP-L pooled (U, 768), ids (L, 3)
-        unique_groups = my_groups.unique()  # sorted
-        with torch.no_grad():
+        unique_groups = my_groups.unique()  # sorted: each prompt is encoded once
+        with torch.no_grad():  # T5 (U, L, 4096), CLIP-L pooled (U, 768), text ids (L, 3)
             all_embeds, all_pooled, text_ids = pipe.encode_prompt(
                 [train_prompts[int(chosen[group])] for group in unique_groups], None,
                 device=device, max_sequence_length=args.max_sequence_length)
@@ -741,22 +681,20 @@ if __name__ == "__main__":
                                                  autocast, noise_gen)
             futures.append(executor.submit(reward_fn, decode(pipe, x0_hat, args.resolution).cpu(),
                                            prompts, meta))
-            batches.append({"cond": cond, "start": window[0],
+            batches.append({"cond": cond, "sigmas": sigmas[window[0] :],  # from the window on
                             "latents": torch.stack(latents, dim=1),  # (B, K+1, L, 4C)
                             "log_probs": torch.stack(log_probs, dim=1)})  # (B, K)
 
         # TRY NOT TO MODIFY: the rewards of every rank, in rank order, and the advantages
         sampling_seconds = time.time() - epoch_start
-        results = [future.result() for future in futures]  # per batch: (scores, info)
-        scores = torch.cat([batch_scores for batch_scores, _ in results]).float().to(device)
-        info = {name: torch.cat([batch_info[name] for _, batch_info in results])
-                for name in results[0][1]}  # each (local_images,)
-        all_rewards = all_gather_cat(scores, world).cpu()  # (P*G,)
+        scores, infos = zip(*[future.result() for future in futures])  # per micro-batch
+        info = {name: torch.cat([batch[name] for batch in infos]) for name in infos[0]}
+        all_rewards = all_gather_cat(torch.cat(scores).float().to(device), world).cpu()  # (P*G,)
         all_components = {name: all_gather_cat(info[name].to(device), world).cpu()
                           for name in reward_fn.weights}
-        unweighted = {f"reward/{name}": values.mean().item() for name, values in info.items()
-                      if name not in reward_fn.weights}  # e.g. pickscore_raw
-        extras = rank_mean(unweighted, world, device)
+        extras = rank_mean({f"reward/{name}": values.mean().item()  # e.g. pickscore_raw
+                            for name, values in info.items() if name not in reward_fn.weights},
+                           world, device)
         if reward_fn.group_transform is not None:  # groupwise rewards need whole groups
             all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
         advantages = group_advantages(all_rewards, group_ids)
@@ -766,7 +704,7 @@ if __name__ == "__main__":
 
         # ALGO LOGIC: training. Each micro-step re-scores one trained step of each sample of a
         # micro-batch, in one forward, and backpropagates grpo_loss.
-        my_advantages = advantages[local].to(device).view(num_batches, args.batch_size)
+        my_advantages = advantages.to(device).view(world, num_batches, args.batch_size)[rank]
         transformer.train()
         step_gen = seeded_generator(torch.device("cpu"), args.seed, epoch, rank, STEP_STREAM)
         stats = {"policy_loss": [], "approx_kl": [], "clipfrac": []}
@@ -782,17 +720,15 @@ if __name__ == "__main__":
             steps = steps.to(device)  # (B, num_train_steps): indices into the window
             for j in range(num_train_steps):
                 step = steps[:, j]  # (B,) each sample's own step
-                sigma = sigmas[batch["start"] + step]
-                sigma_next = sigmas[batch["start"] + step + 1]
-                x = batch["latents"][rows, step]
-                x_next = batch["latents"][rows, step + 1]
+                sigma, sigma_next = batch["sigmas"][step], batch["sigmas"][step + 1]
+                x, x_next = batch["latents"][rows, step], batch["latents"][rows, step + 1]
                 with autocast:
                     v = predict_velocity(transformer, x, sigma, *batch["cond"], args.guidance_scale)
                 _, log_prob, _, _ = sde_step(v, x, sigma, sigma_next, "dance", args.noise_level,
                                              prev_sample=x_next)
                 old_log_prob = batch["log_probs"][rows, step]
                 loss, policy_loss, ratio = grpo_loss(log_prob, old_log_prob, batch_advantages,
-                                                     args.clip_range, args.adv_clip, accum)
+                                                     args.clip_range, args.adv_clip, accum_steps)
                 scaler.scale(loss).backward()
                 if micro_step == 0:  # the epoch's first micro-step uses the rollout's weights
                     on_policy_dev = (ratio - 1).abs().max().item()
@@ -804,7 +740,7 @@ if __name__ == "__main__":
                 clipped = (ratio - 1).abs() > args.clip_range
                 stats["clipfrac"].append(clipped.float().mean().item())
                 micro_step += 1
-                if micro_step % accum == 0:
+                if micro_step % accum_steps == 0:
                     where = f"epoch {epoch}, step {global_step}"
                     grad_norm = optimizer_step(optimizer, scaler, params, args.max_grad_norm, world,
                                                policy_loss, where, run_dir, args.full_finetune)
@@ -822,10 +758,9 @@ if __name__ == "__main__":
 
         # TRY NOT TO MODIFY: the shared metrics, the final eval, the summary line, checkpoints
         epoch_seconds = time.time() - epoch_start
+        max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux: KiB
         if device.type == "cuda":
             max_mem_gb = torch.cuda.max_memory_allocated(device) / 1e9
-        else:  # Linux reports KiB
-            max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
         metrics.update({
             "losses/grad_norm": float(grad_norm),
             "reward/mean": all_rewards.mean().item(),
