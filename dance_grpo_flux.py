@@ -117,7 +117,7 @@ class Args:
     sde_window_size: int = 0
     """K > 0: SDE on K consecutive steps of each micro-batch (ODE elsewhere), all trained"""
     sde_window_range: tuple[int, int] | None = None
-    """A B: the window lies in steps [A, B) (None: 0 num_steps // 2)"""
+    """A B: the window lies in steps [A, B) (None: 0 and num_steps // 2)"""
     # Batch sizes (global ones do not depend on the GPU count)
     group_size: int = 12
     """images per prompt (a group: its rewards normalise each other)"""
@@ -147,7 +147,7 @@ class Args:
     """images of the first eval prompts in the contact sheet"""
     save_every: int = 50
     """checkpoint every N epochs (and after the last)"""
-    # Algorithm-specific arguments
+    # Algorithm-specific arguments (defaults: upstream's 8-GPU LoRA recipe)
     clip_range: float = 1e-4
     """PPO clip of the ratio (tiny: log-probs are means over elements, sde.py)"""
     adv_clip: float = 5.0
@@ -483,23 +483,11 @@ def check_finite(where: str, run_dir: str, **values):
             fail(f"non-finite {name} at {where}; stopping. Last checkpoint: {last}")
 
 if __name__ == "__main__":
-    # TRY NOT TO MODIFY: input checks, rewards and the run directory, before any model loads
+    # TRY NOT TO MODIFY: input checks, rewards, the run directory: all before the model loads
     args = tyro.cli(Args)
     train_prompts, train_meta = load_prompts(args.train_prompts) if not args.eval_only else ([], [])
     test_prompts, test_meta = load_prompts(args.test_prompts)
     state = check_args(args)
-    window_range = args.sde_window_range or (0, args.num_steps // 2)
-    low, high = window_range
-    window_size = args.sde_window_size
-    if window_size != 0 and not 0 <= low <= high - window_size < high <= args.num_steps:
-        fail(f"--sde-window-size {window_size} does not fit --sde-window-range {low} {high} "
-             "(0 <= A <= B - K, B <= --num-steps)")
-    num_train_steps = int((args.num_steps - 1) * args.timestep_fraction)
-    if window_size != 0:  # a window trains all its steps
-        num_train_steps = window_size
-    if num_train_steps < 1:
-        fail(f"--timestep-fraction {args.timestep_fraction} trains no step of the first "
-             f"--num-steps {args.num_steps} - 1 transitions; raise either")
     rank, world, device = 0, 1, torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
@@ -557,6 +545,18 @@ if __name__ == "__main__":
         fail(f"{num_batches} micro-batches per GPU per epoch do not split into "
              f"--updates-per-epoch {args.updates_per_epoch}; change --updates-per-epoch "
              "or --batch-size")
+    window_size = args.sde_window_size
+    window_range = args.sde_window_range or (0, args.num_steps // 2)
+    low, high = window_range
+    if window_size != 0 and not 0 <= low <= high - window_size < high <= args.num_steps:
+        fail(f"--sde-window-size {window_size} does not fit --sde-window-range {low} {high} "
+             "(0 <= A <= B - K, B <= --num-steps)")
+    num_train_steps = int((args.num_steps - 1) * args.timestep_fraction)
+    if window_size != 0:  # a window trains all its steps
+        num_train_steps = window_size
+    if num_train_steps < 1:
+        fail(f"--timestep-fraction {args.timestep_fraction} trains no step of the first "
+             f"--num-steps {args.num_steps} - 1 transitions; raise either")
     accum_steps = num_batches // args.updates_per_epoch * num_train_steps
     if rank == 0:
         devices = "GPU(s)" if device.type == "cuda" else "process(es)"
@@ -565,7 +565,7 @@ if __name__ == "__main__":
               f"{args.group_size}); {args.updates_per_epoch} updates/epoch of {accum_steps} "
               f"micro-steps each; run dir {run_dir}")
 
-    # TRY NOT TO MODIFY: the model: frozen base in bf16/fp16, trained weights and VAE in fp32
+    # TRY NOT TO MODIFY: the model. Frozen base in bf16/fp16, fp32 LoRA (or all weights)
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
     dtype = dtypes[args.mixed_precision]
     pipe = FluxPipeline.from_pretrained(args.model, dtype={"default": dtype, "vae": torch.float32})
@@ -685,7 +685,7 @@ if __name__ == "__main__":
                             "latents": torch.stack(latents, dim=1),  # (B, K+1, L, 4C)
                             "log_probs": torch.stack(log_probs, dim=1)})  # (B, K)
 
-        # TRY NOT TO MODIFY: the rewards of every rank, in rank order, and the advantages
+        # TRY NOT TO MODIFY: the rewards of all ranks, in rank order, and the advantages
         sampling_seconds = time.time() - epoch_start
         scores, infos = zip(*[future.result() for future in futures])  # per micro-batch
         info = {name: torch.cat([batch[name] for batch in infos]) for name in infos[0]}
