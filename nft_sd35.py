@@ -174,7 +174,7 @@ def nft_loss(v, v_old, v_ref, x0, xt, t, advantages, beta, adv_clip, kl_beta, ac
     - r = clip(A, +-adv_clip) / (2 adv_clip) + 1/2, the probability in [0, 1] that a sample
       is good, weighs the branches: r l+ + (1 - r) l-;
     - x adv_clip / beta: where v == v_old (an epoch's start while eta is 0) the gradient is
-      clip(A, +-adv_clip) times the flow-matching loss's, whatever beta;
+      clip(A, +-adv_clip) times that of the weighted flow-matching loss, whatever beta;
     - + kl_beta * mean((v - v_ref)^2), upstream's KL to the base model, to stay near it;
     - / accum_steps: an optimizer step adds up accum_steps micro-steps' gradients."""
     dims = tuple(range(1, v.dim()))
