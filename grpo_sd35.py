@@ -7,8 +7,7 @@ rescaled to any GPU count. PickScore: add `--reward pickscore --kl-beta 0.01`.
     torchrun --nproc_per_node 8 grpo_sd35.py --train-prompts ocr/train.txt \
         --test-prompts ocr/test.txt
 
-One-minute CPU demo, Flow-GRPO-Fast on the committed toy world (prints held-out counting
-accuracy before and after):
+CPU demo (a minute): Flow-GRPO-Fast on the toy world; held-out accuracy before/after:
     python grpo_sd35.py --model tests/assets/toy-sd3 --train-prompts tests/assets/toy_train.txt \
         --test-prompts tests/assets/toy_test.txt --reward tests/toy_rewards.py:counting_partial \
         --eval-reward tests/toy_rewards.py:counting --resolution 32 --max-sequence-length 24 \
@@ -46,8 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
-from diffusers import StableDiffusion3Pipeline
-from huggingface_hub import hf_hub_download
+from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 from PIL import Image
@@ -155,8 +153,6 @@ class Args:
     """weight of the KL to the base model (see grpo_loss)"""
     ratio_norm: bool = False
     """GRPO-Guard's RatioNorm (see ratio_norm_log_ratio; needs --sde-kind flow)"""
-    on_policy_tol: float = 1e-3
-    """warn when the epoch's first micro-step has max |ratio - 1| above this"""
     ema_decay: float = 0.9
     """EMA decay of the LoRA used for eval and the saved `ema_lora` (0: off)"""
     ema_interval: int = 8
@@ -167,10 +163,9 @@ class Args:
     """checkpoint every N epochs (and after the last)"""
 
 
-# The joint-attention projections of every MMDiT block, as upstream
 LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
                 "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]
-STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other values of these
+STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other values
 
 
 # ALGO LOGIC: the GRPO loss, RatioNorm, the SDE window
@@ -180,16 +175,15 @@ def grpo_loss(log_ratio, advantages, mean, ref_mean, sigma_t, step_divisor, accu
 
     log_ratio, advantages: (B,); mean, ref_mean: (B, C, h, w), the step's means under the
     policy and the base model (ref_mean None: no KL). The factors:
-    - advantages clipped to +-adv_clip, so that a few outliers cannot dominate;
+    - advantages clipped to +-adv_clip: a few outliers cannot dominate;
     - PPO's max(-A ratio, -A clip(ratio, 1 +- clip_range)): the epoch's later updates are
-      off-policy, the clip keeps them near the rollout policy. It is tiny as log-probs are
-      means over elements (sde.py);
+      off-policy, the clip keeps them near the rollout policy;
     - / step_divisor: 1, or the step's |dt| under RatioNorm, whose log-ratio has a gradient
       ~|dt| per unit of velocity: every step then weighs the same;
     - + kl_beta * KL to the base model, to stay near it. Upstream's, not the paper's Eq. 10:
       mean((mu - mu_ref)^2) / (2 sigma_t^2), sigma_t without sqrt(-dt); the exact Gaussian
       KL sums over elements and divides by sigma_t^2 |dt|;
-    - / accum_steps: an optimizer step adds up accum_steps micro-steps' gradients."""
+    - / accum_steps: an optimizer step sums accum_steps micro-steps' gradients."""
     advantages = advantages.clamp(-adv_clip, adv_clip)
     ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1 - clip_range, 1 + clip_range)
@@ -206,15 +200,14 @@ def ratio_norm_log_ratio(log_prob, old_log_prob, mean, old_mean, std):
 
     With x' = old_mean + std eps and dmu = mean - old_mean, the raw log-ratio is
     mean(eps dmu) / std - mean(dmu^2) / (2 std^2): below 0 (the clip rarely stops positive
-    advantages), and its gradient ~|dt| / std starves high-noise steps. Adding the bias back
-    and scaling by std leaves mean(eps dmu); grpo_loss then divides by |dt|."""
+    advantages), its gradient ~|dt| / std starving high-noise steps. Adding the bias back and
+    scaling by std leaves mean(eps dmu)."""
     bias = ((mean - old_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std**2)
     return (log_prob - old_log_prob + bias) * std
 
 
 def draw_sde_window(size: int, window_range, num_steps: int, generator) -> tuple[int, int]:
-    """The SDE steps [start, start + size) of a micro-batch, start uniform in A..B - size (both
-    included): inside [A, B) = window_range. size 0: every step (the May-2025 Flow-GRPO)."""
+    """Steps [start, start + size), start uniform in {A, ..., B - size}; (A, B) = window_range."""
     if size == 0:
         return 0, num_steps
     low, high = window_range
@@ -229,7 +222,7 @@ def fail(message: str):
 
 
 def check_args(args) -> dict | None:
-    """The checks that need no weights; returns the checkpoint's state when resuming."""
+    """Checks that need no weights; returns the checkpoint's state when resuming."""
     for name in ["epochs", "batch_size", "eval_batch_size", "train_batch_size", "updates_per_epoch",
                  "eval_every", "save_every", "group_size", "prompts_per_epoch", "num_steps",
                  "eval_num_steps", "lora_rank"]:
@@ -238,19 +231,13 @@ def check_args(args) -> dict | None:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.learning_rate < 0:
         fail(f"--learning-rate must be >= 0, got {args.learning_rate}")
-    configs = {}
-    try:  # the small config files give the resolution's factor before the weights load
-        for name in ("vae", "transformer"):
-            path = os.path.join(args.model, name, "config.json")
-            if not os.path.exists(args.model):
-                path = hf_hub_download(args.model, f"{name}/config.json")
-            with open(path) as file:
-                configs[name] = json.load(file)
+    try:  # the config files give the resolution's factor before the weights load
+        vae = AutoencoderKL.load_config(args.model, subfolder="vae")
+        transformer = SD3Transformer2DModel.load_config(args.model, subfolder="transformer")
     except Exception as error:
         fail(f"model {args.model!r} is neither an existing local path nor a hub id like "
              f"'org/name' with vae/ and transformer/ config.json ({type(error).__name__})")
-    factor = 2 ** (len(configs["vae"]["block_out_channels"]) - 1)
-    factor *= configs["transformer"].get("patch_size", 1)
+    factor = 2 ** (len(vae["block_out_channels"]) - 1) * transformer.get("patch_size", 1)
     if args.resolution < 1 or args.resolution % factor:
         fail(f"--resolution {args.resolution} is not a multiple of {factor} "
              "(VAE downsampling x patch size)")
@@ -308,8 +295,8 @@ def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
 
 
 def group_advantages(rewards, group_ids, per_group_std: bool, eps: float = 1e-4):
-    """(reward - its group's mean) / (std + eps); rewards, group_ids: (N,). The std (population,
-    as np.std) is over all rewards, upstream's `global_std`, or within the group."""
+    """(reward - its group's mean) / (std + eps), all (N,); std: the population std of all
+    rewards (upstream's `global_std`) or of the group's."""
     rewards = rewards.double()
     count = torch.bincount(group_ids).double()
     centered = rewards - (torch.bincount(group_ids, rewards) / count)[group_ids]
@@ -320,8 +307,8 @@ def group_advantages(rewards, group_ids, per_group_std: bool, eps: float = 1e-4)
 
 
 def compute_advantages(rewards, components, weights, group_ids, aggregation, per_group_std):
-    """Advantages (N,) of the weighted reward (N,). `gdpo` with several rewards: normalise each
-    component within its group, sum them weighted, and normalise the sum over the epoch."""
+    """Advantages (N,). `gdpo` with several rewards: normalise each within its group, sum them
+    weighted, normalise the sum over the epoch."""
     if aggregation == "sum" or len(components) <= 1:
         return group_advantages(rewards, group_ids, per_group_std)
     summed = sum(weight * group_advantages(components[name], group_ids, per_group_std=True)
@@ -329,6 +316,7 @@ def compute_advantages(rewards, components, weights, group_ids, aggregation, per
     return (summed - summed.mean()) / (summed.std(unbiased=False) + 1e-4)
 
 
+@torch.no_grad()
 def encode(pipe, prompts: list[str], device, max_sequence_length: int):
     """Text embeddings (B, L, 4096) and pooled ones (B, 2048): CLIP-L, CLIP-G and T5."""
     embeds, _, pooled, _ = pipe.encode_prompt(
@@ -387,14 +375,12 @@ def decode(vae, latents) -> torch.Tensor:
 
 
 def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where, run_dir):
-    """Average the gradients over ranks (one flat all-reduce, not one per tensor), unscale,
-    clip, check, step; returns the gradient norm before the clip."""
+    """Average the gradients over ranks (one flat all-reduce), unscale, clip, check, step;
+    returns the gradient norm before the clip."""
     if world > 1:
-        flat = torch.cat([p.grad.flatten() for p in params])
+        flat = torch.nn.utils.parameters_to_vector(p.grad for p in params)
         dist.all_reduce(flat)
-        flat /= world
-        for p, grad in zip(params, flat.split([p.numel() for p in params])):
-            p.grad.copy_(grad.view_as(p))
+        torch.nn.utils.vector_to_parameters(flat / world, [p.grad for p in params])
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     if not scaler.is_enabled():  # fp16's scaler skips non-finite steps itself
@@ -409,7 +395,7 @@ def save_checkpoint(path, transformer, lora_params, ema_params, snapshots, optim
                     next_epoch, global_step, args):
     """Atomic: written to a hidden temporary directory (which --resume refuses and `epoch_*`
     never matches), then renamed. `lora/`, `ema_lora/`: diffusers LoRAs with their peft
-    config; state.pt resumes (`extra`: the algorithm's LoRA snapshots)."""
+    config; state.pt resumes (`extra`: the algorithm's snapshots)."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     config = transformer.peft_config["default"].to_dict()
@@ -429,7 +415,7 @@ def save_checkpoint(path, transformer, lora_params, ema_params, snapshots, optim
 
 @contextmanager
 def swapped(params, copies):
-    """Temporarily put the values of `copies` (the EMA, a snapshot) into the live parameters."""
+    """Temporarily swap `copies` (the EMA, a snapshot) into the live parameters."""
     for p, copy in zip(params, copies):
         p.data, copy.data = copy.data, p.data
     try:
@@ -441,7 +427,7 @@ def swapped(params, copies):
 
 @contextmanager
 def adapters_disabled(transformer):
-    """The base model: the same transformer with its LoRA switched off (never a second copy)."""
+    """The base model: the same transformer, LoRA switched off (never a second copy)."""
     transformer.disable_adapters()
     try:
         yield
@@ -461,7 +447,7 @@ def prepare_run_dir(run_dir: str, start_epoch: int):
 
 
 def rank_mean(values: dict[str, float], world: int, device) -> dict[str, float]:
-    """The mean of each value over ranks (logged statistics are the run's, not rank 0's)."""
+    """Each value's mean over ranks (logged statistics are the run's, not rank 0's)."""
     local = torch.tensor([list(values.values())], dtype=torch.float64, device=device)
     return dict(zip(values, all_gather_cat(local, world).mean(0).tolist()))
 
@@ -476,20 +462,20 @@ def check_finite(where: str, run_dir: str, **values):
 
 
 if __name__ == "__main__":
-    # TRY NOT TO MODIFY: input checks, rewards, the run directory: all before the model loads
+    # TRY NOT TO MODIFY: input checks, rewards, run directory, all before the model loads
     args = tyro.cli(Args)
     train_prompts, train_meta = ([], []) if args.eval_only else load_prompts(args.train_prompts)
     test_prompts, test_meta = load_prompts(args.test_prompts)
     state = check_args(args)
     rank, world, device = 0, 1, torch.device("cpu")
     if torch.cuda.is_available():
-        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    if "RANK" in os.environ:  # set by torchrun: nccl on CUDA, gloo on CPU
+    if "RANK" in os.environ:  # set by torchrun
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
     quiet = rank != 0 or not sys.stderr.isatty()  # progress bars only on rank 0's terminal
-    try:  # a bad reward file, or a reward server that does not answer, fails here
+    try:  # a bad reward file, or a reward server not answering, fails here
         rewards.check_prompts(args.reward, train_prompts)
         rewards.check_prompts(args.eval_reward or args.reward, test_prompts)
         reward_fn = rewards.build_reward(args.reward, device=device)
@@ -503,7 +489,7 @@ if __name__ == "__main__":
         fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split into "
              f"{world} GPUs x batch-size {args.batch_size}; change --prompts-per-epoch, "
              "--group-size or --batch-size")
-    local_images = images_per_epoch // world  # the images this rank samples per epoch
+    local_images = images_per_epoch // world  # sampled by this rank per epoch
     num_batches = local_images // args.batch_size
     run_name = [f"{args.exp_name}__{args.seed}__{int(time.time())}"]
     if world > 1:
@@ -516,8 +502,8 @@ if __name__ == "__main__":
     # ALGO LOGIC: from images to optimizer steps. The defaults on 8 GPUs: 48 prompts x 24 images
     # = 1152 images, 144 per GPU, in 16 micro-batches of 9. Each micro-batch trains its first
     # int(10 x 0.99) = 9 steps, a forward and backward each (a micro-step). 2 updates per epoch:
-    # an optimizer step every 8 micro-batches x 9 steps = 72 micro-steps (accum_steps), whose
-    # gradients are averaged, then averaged over the 8 GPUs (optimizer_step).
+    # an optimizer step averages 8 micro-batches x 9 steps = 72 micro-steps (accum_steps), then
+    # the 8 GPUs (optimizer_step).
     if num_batches % args.updates_per_epoch:
         fail(f"{num_batches} micro-batches per GPU per epoch do not split into "
              f"--updates-per-epoch {args.updates_per_epoch}; change --updates-per-epoch "
@@ -528,9 +514,7 @@ if __name__ == "__main__":
     if window_size != 0 and not 0 <= low <= high - window_size < high <= args.num_steps:
         fail(f"--sde-window-size {window_size} does not fit --sde-window-range {low} {high} "
              "(0 <= A <= B - K, B <= --num-steps)")
-    num_train_steps = int(args.num_steps * args.timestep_fraction)
-    if window_size > 0:  # a window trains all its steps
-        num_train_steps = window_size
+    num_train_steps = window_size or int(args.num_steps * args.timestep_fraction)
     if num_train_steps < 1:
         fail(f"--timestep-fraction {args.timestep_fraction} trains no step of "
              f"--num-steps {args.num_steps}")
@@ -545,15 +529,14 @@ if __name__ == "__main__":
               f"{args.group_size}); {args.updates_per_epoch} updates/epoch of {accum_steps} "
               f"micro-steps each; run dir {run_dir}")
 
-    # TRY NOT TO MODIFY: the model. Frozen base in bf16/fp16, fp32 LoRA (the same on all ranks)
+    # TRY NOT TO MODIFY: the model: frozen base in bf16/fp16, fp32 LoRA, alike on all ranks
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
     dtype = dtypes[args.mixed_precision]
     pipe = StableDiffusion3Pipeline.from_pretrained(
         args.model, dtype={"default": dtype, "vae": torch.float32}).to(device)
     transformer = pipe.transformer
-    for module in (transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2,
-                   pipe.text_encoder_3):
-        if module is not None:
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
             module.requires_grad_(False)
     torch.manual_seed(args.seed)
     transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
@@ -570,10 +553,9 @@ if __name__ == "__main__":
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     latent_size = args.resolution // pipe.vae_scale_factor
     latent_shape = (transformer.config.in_channels, latent_size, latent_size)
-    with torch.no_grad():
-        neg = encode(pipe, [""], device, args.max_sequence_length)  # the CFG prompt, once
+    neg = encode(pipe, [""], device, args.max_sequence_length)  # the CFG prompt, once
 
-    # ALGO LOGIC: the sigma grids, eval's CFG scale, the LoRA snapshots the algorithm keeps
+    # ALGO LOGIC: the sigma grids, eval's CFG scale, the algorithm's LoRA snapshots
     pipe.scheduler.set_timesteps(args.num_steps, device=device)
     sigmas = pipe.scheduler.sigmas.float()  # (T+1,) from 1 to 0, SD3's shifted schedule
     pipe.scheduler.set_timesteps(args.eval_num_steps, device=device)
@@ -581,7 +563,7 @@ if __name__ == "__main__":
     eval_guidance_scale = args.eval_guidance_scale
     if eval_guidance_scale is None:
         eval_guidance_scale = args.guidance_scale
-    snapshots = {}  # name -> an fp32 copy of the LoRA, saved in state.pt; GRPO keeps none
+    snapshots = {}  # name -> fp32 LoRA copies, saved in state.pt; GRPO keeps none
 
     # TRY NOT TO MODIFY: resume, logging, eval
     start_epoch, global_step = 0, 0
@@ -611,7 +593,7 @@ if __name__ == "__main__":
     def run_eval(epoch: int, prefix: str = "eval/") -> dict:
         """ODE-sample the test prompts with the EMA weights and score them: prompt i on rank
         i % world, from noise seed i (the same images on any GPU count)."""
-        scores, sheet = [], []
+        scores, sheet = [], {}
         my_prompts = list(range(rank, len(test_prompts), world))
         for start in range(0, len(my_prompts), args.eval_batch_size):
             ids = my_prompts[start : start + args.eval_batch_size]
@@ -625,21 +607,19 @@ if __name__ == "__main__":
                                          pooled, *neg, eval_guidance_scale, autocast, None)
             images = decode(pipe.vae, final)
             batch_scores, info = eval_reward_fn(images.cpu(), prompts, [test_meta[i] for i in ids])
-            for j, score in enumerate(batch_scores.tolist()):
-                scores.append({"reward_mean": float(score),
-                               **{name: float(values[j]) for name, values in info.items()}})
-            for i, image in zip(ids, images):
-                if i < args.eval_sheet_size:
-                    pixels = (image.permute(1, 2, 0).cpu().numpy() * 255).round()
-                    sheet.append((i, pixels.astype(np.uint8)))
+            columns = {"reward_mean": batch_scores, **info}
+            scores += [{name: float(values[j]) for name, values in columns.items()}
+                       for j in range(len(ids))]
+            pixels = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+            sheet.update({i: image for i, image in zip(ids, pixels) if i < args.eval_sheet_size})
         if world > 1:
             gathered = [None] * world
             dist.all_gather_object(gathered, (scores, sheet))
             scores = [score for rank_scores, _ in gathered for score in rank_scores]
-            sheet = [item for _, rank_sheet in gathered for item in rank_sheet]
+            sheet = {i: image for _, rank_sheet in gathered for i, image in rank_sheet.items()}
         means = {name: float(np.mean([score[name] for score in scores])) for name in scores[0]}
         if rank == 0:  # a contact sheet: a near-square grid, black cells end the last row
-            cells = [pixels for _, pixels in sorted(sheet, key=lambda item: item[0])]
+            cells = [sheet[i] for i in sorted(sheet)]
             cols = math.ceil(math.sqrt(len(cells)))
             cells += [np.zeros_like(cells[0])] * (-len(cells) % cols)
             rows = [np.concatenate(cells[i : i + cols], axis=1) for i in range(0, len(cells), cols)]
@@ -657,7 +637,7 @@ if __name__ == "__main__":
     for epoch in range(start_epoch, 0 if args.eval_only else args.epochs):
         epoch_start = time.time()
         metrics = run_eval(epoch) if epoch % args.eval_every == 0 else {}
-        # the same prompts on every rank, distinct ones when there are enough
+        # the same prompts on every rank, distinct ones if there are enough
         prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
         num_prompts, per_epoch = len(train_prompts), args.prompts_per_epoch
         if num_prompts >= per_epoch:
@@ -665,11 +645,9 @@ if __name__ == "__main__":
         else:
             chosen = torch.randint(num_prompts, (per_epoch,), generator=prompt_gen)
 
-        # ALGO LOGIC: sampling. Every rank shuffles the epoch's images the same way and samples
-        # its own slice of them: each prompt's group is spread over the ranks.
-        order = torch.randperm(images_per_epoch, generator=prompt_gen)
+        # ALGO LOGIC: sampling. Images are shuffled alike on all ranks, so a group spans ranks
         group_ids = torch.arange(args.prompts_per_epoch).repeat_interleave(args.group_size)
-        group_ids = group_ids[order]  # (P*G,) the group (prompt) of every image
+        group_ids = group_ids[torch.randperm(images_per_epoch, generator=prompt_gen)]  # (P*G,)
         my_groups = group_ids.view(world, num_batches, args.batch_size)[rank]
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
         transformer.eval()
@@ -678,8 +656,7 @@ if __name__ == "__main__":
             prompt_ids = [int(chosen[group]) for group in batch_groups]
             prompts = [train_prompts[i] for i in prompt_ids]
             meta = [train_meta[i] for i in prompt_ids]
-            with torch.no_grad():
-                cond = (*encode(pipe, prompts, device, args.max_sequence_length), *neg)
+            cond = (*encode(pipe, prompts, device, args.max_sequence_length), *neg)
             noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen,
                                 device=device)
             window = draw_sde_window(window_size, window_range, args.num_steps, noise_gen)
@@ -690,7 +667,7 @@ if __name__ == "__main__":
             batches.append({"cond": cond, "latents": latents, "log_probs": log_probs,
                             "means": means if args.ratio_norm else None, "start": window[0]})
 
-        # TRY NOT TO MODIFY: the rewards of all ranks, in rank order, and the advantages
+        # TRY NOT TO MODIFY: all ranks' rewards, in rank order, and the advantages
         sampling_seconds = time.time() - epoch_start
         scores, infos = zip(*[future.result() for future in futures])  # per micro-batch
         info = {name: torch.cat([batch[name] for batch in infos]) for name in infos[0]}
@@ -708,8 +685,7 @@ if __name__ == "__main__":
         group_std = torch.stack([all_rewards[group_ids == group].std(unbiased=False)
                                  for group in range(args.prompts_per_epoch)])
 
-        # ALGO LOGIC: training. A micro-step re-scores one sampled step of a micro-batch (the
-        # first one exactly on-policy) and backpropagates grpo_loss.
+        # ALGO LOGIC: training. A micro-step re-scores one stored step, backpropagates grpo_loss
         my_advantages = advantages.to(device).view(world, num_batches, args.batch_size)[rank]
         transformer.train()
         stats = {"policy_loss": [], "kl": [], "approx_kl": [], "clipfrac": []}
@@ -717,12 +693,11 @@ if __name__ == "__main__":
         progress = tqdm(batches, f"epoch {epoch} training", disable=quiet, leave=False)
         for batch, batch_advantages in zip(progress, my_advantages):
             for j in range(num_train_steps):
-                step = batch["start"] + j  # the window's j-th step, on the sigma grid
+                step = batch["start"] + j  # the window's j-th step
                 sigma, sigma_next = sigmas[step], sigmas[step + 1]
                 x, x_next = batch["latents"][:, j], batch["latents"][:, j + 1]
                 with autocast:
-                    v = predict_velocity(transformer, x, sigma, *batch["cond"],
-                                         args.guidance_scale)
+                    v = predict_velocity(transformer, x, sigma, *batch["cond"], args.guidance_scale)
                 _, log_prob, mean, std = sde_step(v, x, sigma, sigma_next, args.sde_kind,
                                                   args.noise_level, prev_sample=x_next,
                                                   sigma_max=sigmas[1])
@@ -749,9 +724,9 @@ if __name__ == "__main__":
                 scaler.scale(loss).backward()
                 if micro_step == 0:  # the epoch's first micro-step runs the rollout's weights
                     on_policy_dev = (ratio - 1).abs().max().item()
-                    if on_policy_dev > args.on_policy_tol and rank == 0:
+                    if on_policy_dev > args.clip_range / 10 and rank == 0:
                         print(f"WARNING: on-policy max |ratio - 1| = {on_policy_dev:.2e} > "
-                              f"{args.on_policy_tol}: the rollout and training forwards differ")
+                              "clip-range / 10: the rollout and training forwards differ")
                 stats["policy_loss"].append(policy_loss.item())
                 stats["kl"].append(kl.item())
                 stats["approx_kl"].append(0.5 * ((log_prob - old_log_prob) ** 2).mean().item())
@@ -763,14 +738,13 @@ if __name__ == "__main__":
                                                args.max_grad_norm, world, loss,
                                                f"epoch {epoch}, step {global_step}", run_dir)
                     global_step += 1
-            # As upstream, the EMA is stepped after every micro-batch but moves only while
-            # (global_step + 1) % ema_interval == 0, so several times with the same weights.
-            # --ema-interval 0, or decay 0 (the EMA is then the live LoRA): once per step.
+            # As upstream, the EMA moves after every micro-batch while (global_step + 1) %
+            # ema_interval == 0: several times with the same weights (0, or decay 0: per step).
             if args.ema_interval == 0 or args.ema_decay == 0:
                 ema_moves = micro_step % accum_steps == 0
             else:
                 ema_moves = (global_step + 1) % args.ema_interval == 0
-            if ema_moves:  # the warm-up makes the early EMA follow the weights closely
+            if ema_moves:  # with a warm-up: the early EMA follows the weights closely
                 decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))
                 for ema, p in zip(ema_params, lora_params):
                     ema.mul_(decay).add_(p.detach(), alpha=1 - decay)
@@ -783,7 +757,7 @@ if __name__ == "__main__":
                    f"kl {metrics['losses/kl']:.3e} | ratio dev {on_policy_dev:.1e} "
                    f"| clipfrac {metrics['losses/clipfrac']:.3f}")
 
-        # TRY NOT TO MODIFY: the shared metrics, the final eval, the summary line, checkpoints
+        # TRY NOT TO MODIFY: shared metrics, final eval, the summary line, checkpoints
         epoch_seconds = time.time() - epoch_start
         max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux: KiB
         if device.type == "cuda":

@@ -87,13 +87,7 @@ def test_the_template_tags_its_segments():
     assert all(f"\ndef {name}(" in segments[0] for name in SHARED)  # one block of helpers
 
 
-# grpo_sd35.py is ~825 lines at 100 columns with its three recipes (issue 24): the 800-line cap
-# waits for the lead's decision. strict: this fails as soon as the template fits again.
-OVER_CAP = pytest.mark.xfail(strict=True, reason="the 800-line cap is pending a decision")
-
-
-@pytest.mark.parametrize("script", [pytest.param(TEMPLATE, marks=OVER_CAP), *SD35_SCRIPTS[1:],
-                                    "dance_grpo_flux.py"])
+@pytest.mark.parametrize("script", SD35_SCRIPTS + ["dance_grpo_flux.py"])
 def test_script_fits_800_lines(script):
     assert len(read(script).splitlines()) <= 800
 
