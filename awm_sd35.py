@@ -46,8 +46,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
-from diffusers import SASolverScheduler, StableDiffusion3Pipeline
-from huggingface_hub import hf_hub_download
+from diffusers import (AutoencoderKL, SASolverScheduler, SD3Transformer2DModel,
+                       StableDiffusion3Pipeline)
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 from PIL import Image
@@ -275,7 +275,7 @@ def fail(message: str):
 
 
 def check_args(args) -> dict | None:
-    """The checks that need no weights; returns the checkpoint's state when resuming."""
+    """Checks that need no weights; returns the checkpoint's state when resuming."""
     for name in ["epochs", "batch_size", "eval_batch_size", "train_batch_size", "updates_per_epoch",
                  "eval_every", "save_every", "group_size", "prompts_per_epoch", "num_steps",
                  "eval_num_steps", "lora_rank"]:
@@ -284,19 +284,13 @@ def check_args(args) -> dict | None:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.learning_rate < 0:
         fail(f"--learning-rate must be >= 0, got {args.learning_rate}")
-    configs = {}
-    try:  # the small config files give the resolution's factor before the weights load
-        for name in ("vae", "transformer"):
-            path = os.path.join(args.model, name, "config.json")
-            if not os.path.exists(args.model):
-                path = hf_hub_download(args.model, f"{name}/config.json")
-            with open(path) as file:
-                configs[name] = json.load(file)
+    try:  # the config files give the resolution's factor before the weights load
+        vae = AutoencoderKL.load_config(args.model, subfolder="vae")
+        transformer = SD3Transformer2DModel.load_config(args.model, subfolder="transformer")
     except Exception as error:
         fail(f"model {args.model!r} is neither an existing local path nor a hub id like "
              f"'org/name' with vae/ and transformer/ config.json ({type(error).__name__})")
-    factor = 2 ** (len(configs["vae"]["block_out_channels"]) - 1)
-    factor *= configs["transformer"].get("patch_size", 1)
+    factor = 2 ** (len(vae["block_out_channels"]) - 1) * transformer.get("patch_size", 1)
     if args.resolution < 1 or args.resolution % factor:
         fail(f"--resolution {args.resolution} is not a multiple of {factor} "
              "(VAE downsampling x patch size)")
@@ -354,8 +348,8 @@ def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
 
 
 def group_advantages(rewards, group_ids, per_group_std: bool, eps: float = 1e-4):
-    """(reward - its group's mean) / (std + eps); rewards, group_ids: (N,). The std (population,
-    as np.std) is over all rewards, upstream's `global_std`, or within the group."""
+    """(reward - its group's mean) / (std + eps), all (N,); std: the population std of all
+    rewards (upstream's `global_std`) or of the group's."""
     rewards = rewards.double()
     count = torch.bincount(group_ids).double()
     centered = rewards - (torch.bincount(group_ids, rewards) / count)[group_ids]
@@ -366,8 +360,8 @@ def group_advantages(rewards, group_ids, per_group_std: bool, eps: float = 1e-4)
 
 
 def compute_advantages(rewards, components, weights, group_ids, aggregation, per_group_std):
-    """Advantages (N,) of the weighted reward (N,). `gdpo` with several rewards: normalise each
-    component within its group, sum them weighted, and normalise the sum over the epoch."""
+    """Advantages (N,). `gdpo` with several rewards: normalise each within its group, sum them
+    weighted, normalise the sum over the epoch."""
     if aggregation == "sum" or len(components) <= 1:
         return group_advantages(rewards, group_ids, per_group_std)
     summed = sum(weight * group_advantages(components[name], group_ids, per_group_std=True)
@@ -375,6 +369,7 @@ def compute_advantages(rewards, components, weights, group_ids, aggregation, per
     return (summed - summed.mean()) / (summed.std(unbiased=False) + 1e-4)
 
 
+@torch.no_grad()
 def encode(pipe, prompts: list[str], device, max_sequence_length: int):
     """Text embeddings (B, L, 4096) and pooled ones (B, 2048): CLIP-L, CLIP-G and T5."""
     embeds, _, pooled, _ = pipe.encode_prompt(
@@ -433,14 +428,12 @@ def decode(vae, latents) -> torch.Tensor:
 
 
 def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where, run_dir):
-    """Average the gradients over ranks (one flat all-reduce, not one per tensor), unscale,
-    clip, check, step; returns the gradient norm before the clip."""
+    """Average the gradients over ranks (one flat all-reduce), unscale, clip, check, step;
+    returns the gradient norm before the clip."""
     if world > 1:
-        flat = torch.cat([p.grad.flatten() for p in params])
+        flat = torch.nn.utils.parameters_to_vector(p.grad for p in params)
         dist.all_reduce(flat)
-        flat /= world
-        for p, grad in zip(params, flat.split([p.numel() for p in params])):
-            p.grad.copy_(grad.view_as(p))
+        torch.nn.utils.vector_to_parameters(flat / world, [p.grad for p in params])
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     if not scaler.is_enabled():  # fp16's scaler skips non-finite steps itself
@@ -455,7 +448,7 @@ def save_checkpoint(path, transformer, lora_params, ema_params, snapshots, optim
                     next_epoch, global_step, args):
     """Atomic: written to a hidden temporary directory (which --resume refuses and `epoch_*`
     never matches), then renamed. `lora/`, `ema_lora/`: diffusers LoRAs with their peft
-    config; state.pt resumes (`extra`: the algorithm's LoRA snapshots)."""
+    config; state.pt resumes (`extra`: the algorithm's snapshots)."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     config = transformer.peft_config["default"].to_dict()
@@ -475,7 +468,7 @@ def save_checkpoint(path, transformer, lora_params, ema_params, snapshots, optim
 
 @contextmanager
 def swapped(params, copies):
-    """Temporarily put the values of `copies` (the EMA, a snapshot) into the live parameters."""
+    """Temporarily swap `copies` (the EMA, a snapshot) into the live parameters."""
     for p, copy in zip(params, copies):
         p.data, copy.data = copy.data, p.data
     try:
@@ -487,7 +480,7 @@ def swapped(params, copies):
 
 @contextmanager
 def adapters_disabled(transformer):
-    """The base model: the same transformer with its LoRA switched off (never a second copy)."""
+    """The base model: the same transformer, LoRA switched off (never a second copy)."""
     transformer.disable_adapters()
     try:
         yield
@@ -507,7 +500,7 @@ def prepare_run_dir(run_dir: str, start_epoch: int):
 
 
 def rank_mean(values: dict[str, float], world: int, device) -> dict[str, float]:
-    """The mean of each value over ranks (logged statistics are the run's, not rank 0's)."""
+    """Each value's mean over ranks (logged statistics are the run's, not rank 0's)."""
     local = torch.tensor([list(values.values())], dtype=torch.float64, device=device)
     return dict(zip(values, all_gather_cat(local, world).mean(0).tolist()))
 
@@ -522,20 +515,20 @@ def check_finite(where: str, run_dir: str, **values):
 
 
 if __name__ == "__main__":
-    # TRY NOT TO MODIFY: input checks, rewards, the run directory: all before the model loads
+    # TRY NOT TO MODIFY: input checks, rewards, run directory, all before the model loads
     args = tyro.cli(Args)
     train_prompts, train_meta = ([], []) if args.eval_only else load_prompts(args.train_prompts)
     test_prompts, test_meta = load_prompts(args.test_prompts)
     state = check_args(args)
     rank, world, device = 0, 1, torch.device("cpu")
     if torch.cuda.is_available():
-        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    if "RANK" in os.environ:  # set by torchrun: nccl on CUDA, gloo on CPU
+    if "RANK" in os.environ:  # set by torchrun
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
     quiet = rank != 0 or not sys.stderr.isatty()  # progress bars only on rank 0's terminal
-    try:  # a bad reward file, or a reward server that does not answer, fails here
+    try:  # a bad reward file, or a reward server not answering, fails here
         rewards.check_prompts(args.reward, train_prompts)
         rewards.check_prompts(args.eval_reward or args.reward, test_prompts)
         reward_fn = rewards.build_reward(args.reward, device=device)
@@ -549,7 +542,7 @@ if __name__ == "__main__":
         fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split into "
              f"{world} GPUs x batch-size {args.batch_size}; change --prompts-per-epoch, "
              "--group-size or --batch-size")
-    local_images = images_per_epoch // world  # the images this rank samples per epoch
+    local_images = images_per_epoch // world  # sampled by this rank per epoch
     num_batches = local_images // args.batch_size
     run_name = [f"{args.exp_name}__{args.seed}__{int(time.time())}"]
     if world > 1:
@@ -580,15 +573,14 @@ if __name__ == "__main__":
               f"{args.train_batch_size} samples x {args.train_timesteps} timesteps; "
               f"run dir {run_dir}")
 
-    # TRY NOT TO MODIFY: the model. Frozen base in bf16/fp16, fp32 LoRA (the same on all ranks)
+    # TRY NOT TO MODIFY: the model: frozen base in bf16/fp16, fp32 LoRA, alike on all ranks
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
     dtype = dtypes[args.mixed_precision]
     pipe = StableDiffusion3Pipeline.from_pretrained(
         args.model, dtype={"default": dtype, "vae": torch.float32}).to(device)
     transformer = pipe.transformer
-    for module in (transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2,
-                   pipe.text_encoder_3):
-        if module is not None:
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
             module.requires_grad_(False)
     torch.manual_seed(args.seed)
     transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
@@ -605,8 +597,7 @@ if __name__ == "__main__":
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     latent_size = args.resolution // pipe.vae_scale_factor
     latent_shape = (transformer.config.in_channels, latent_size, latent_size)
-    with torch.no_grad():
-        neg = encode(pipe, [""], device, args.max_sequence_length)  # the CFG prompt, once
+    neg = encode(pipe, [""], device, args.max_sequence_length)  # the CFG prompt, once
 
     # ALGO LOGIC: the sigma grids, eval's CFG scale, the anchor LoRA, the SA-Solver
     pipe.scheduler.set_timesteps(args.num_steps, device=device)
@@ -647,7 +638,7 @@ if __name__ == "__main__":
     def run_eval(epoch: int, prefix: str = "eval/") -> dict:
         """ODE-sample the test prompts with the EMA weights and score them: prompt i on rank
         i % world, from noise seed i (the same images on any GPU count)."""
-        scores, sheet = [], []
+        scores, sheet = [], {}
         my_prompts = list(range(rank, len(test_prompts), world))
         for start in range(0, len(my_prompts), args.eval_batch_size):
             ids = my_prompts[start : start + args.eval_batch_size]
@@ -661,21 +652,19 @@ if __name__ == "__main__":
                                          pooled, *neg, eval_guidance_scale, autocast, None)
             images = decode(pipe.vae, final)
             batch_scores, info = eval_reward_fn(images.cpu(), prompts, [test_meta[i] for i in ids])
-            for j, score in enumerate(batch_scores.tolist()):
-                scores.append({"reward_mean": float(score),
-                               **{name: float(values[j]) for name, values in info.items()}})
-            for i, image in zip(ids, images):
-                if i < args.eval_sheet_size:
-                    pixels = (image.permute(1, 2, 0).cpu().numpy() * 255).round()
-                    sheet.append((i, pixels.astype(np.uint8)))
+            columns = {"reward_mean": batch_scores, **info}
+            scores += [{name: float(values[j]) for name, values in columns.items()}
+                       for j in range(len(ids))]
+            pixels = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+            sheet.update({i: image for i, image in zip(ids, pixels) if i < args.eval_sheet_size})
         if world > 1:
             gathered = [None] * world
             dist.all_gather_object(gathered, (scores, sheet))
             scores = [score for rank_scores, _ in gathered for score in rank_scores]
-            sheet = [item for _, rank_sheet in gathered for item in rank_sheet]
+            sheet = {i: image for _, rank_sheet in gathered for i, image in rank_sheet.items()}
         means = {name: float(np.mean([score[name] for score in scores])) for name in scores[0]}
         if rank == 0:  # a contact sheet: a near-square grid, black cells end the last row
-            cells = [pixels for _, pixels in sorted(sheet, key=lambda item: item[0])]
+            cells = [sheet[i] for i in sorted(sheet)]
             cols = math.ceil(math.sqrt(len(cells)))
             cells += [np.zeros_like(cells[0])] * (-len(cells) % cols)
             rows = [np.concatenate(cells[i : i + cols], axis=1) for i in range(0, len(cells), cols)]
@@ -693,7 +682,7 @@ if __name__ == "__main__":
     for epoch in range(start_epoch, 0 if args.eval_only else args.epochs):
         epoch_start = time.time()
         metrics = run_eval(epoch) if epoch % args.eval_every == 0 else {}
-        # the same prompts on every rank, distinct ones when there are enough
+        # the same prompts on every rank, distinct ones if there are enough
         prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
         num_prompts, per_epoch = len(train_prompts), args.prompts_per_epoch
         if num_prompts >= per_epoch:
@@ -714,8 +703,7 @@ if __name__ == "__main__":
             prompt_ids = [int(chosen[group]) for group in batch_groups]
             prompts = [train_prompts[i] for i in prompt_ids]
             meta = [train_meta[i] for i in prompt_ids]
-            with torch.no_grad():
-                prompt_embeds = encode(pipe, prompts, device, args.max_sequence_length)
+            prompt_embeds = encode(pipe, prompts, device, args.max_sequence_length)
             noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen,
                                 device=device)
             cond = (*prompt_embeds, *neg, args.guidance_scale, autocast, noise_gen)
@@ -731,7 +719,7 @@ if __name__ == "__main__":
         # the text embeddings (N, L, D), pooled ones (N, D') and samples (N, C, h, w)
         embeds, pooled, samples = [torch.cat(parts) for parts in zip(*rollouts)]
 
-        # TRY NOT TO MODIFY: the rewards of all ranks, in rank order, and the advantages
+        # TRY NOT TO MODIFY: all ranks' rewards, in rank order, and the advantages
         sampling_seconds = time.time() - epoch_start
         scores, infos = zip(*[future.result() for future in futures])  # per micro-batch
         info = {name: torch.cat([batch[name] for batch in infos]) for name in infos[0]}
@@ -806,7 +794,7 @@ if __name__ == "__main__":
                    f"kl {metrics['losses/kl']:.3e} anchor {metrics['losses/anchor_kl']:.3e} "
                    f"| fm {metrics['losses/fm_loss']:.3e}")
 
-        # TRY NOT TO MODIFY: the shared metrics, the final eval, the summary line, checkpoints
+        # TRY NOT TO MODIFY: shared metrics, final eval, the summary line, checkpoints
         epoch_seconds = time.time() - epoch_start
         max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux: KiB
         if device.type == "cuda":
