@@ -3,9 +3,8 @@
 Paper: AWM, https://arxiv.org/abs/2509.25050
 
 The defaults are the paper's OCR run (upstream config/dgx_awm.py::ocr_sd3_no_cfg_1node):
-SA-Solver rollouts, one optimizer step per epoch, rescaled to any GPU count. GenEval:
-`--reward geneval --kl-beta 0.001`; PickScore: `--reward pickscore --kl-beta 1e-4
---time-type discrete --noise-level 0 --prompts-per-epoch 24 --train-batch-size 2`.
+SA-Solver rollouts, one optimizer step per epoch, rescaled to any GPU count. GenEval: add
+`--reward geneval --kl-beta 0.001`; PickScore: README's command.
     torchrun --nproc_per_node 8 awm_sd35.py --train-prompts ocr/train.txt \
         --test-prompts ocr/test.txt
 
@@ -132,9 +131,9 @@ class Args:
     sampler: Literal["sa_solver", "flow_sde", "ode"] = "sa_solver"
     """rollout solver: SA-Solver (upstream's), Flow-GRPO's SDE (sde.py) or Euler ODE"""
     noise_level: float = 0.4
-    """SA-Solver's tau in --tau-window (0: ODE); flow_sde: sde.py's noise level a"""
+    """SA-Solver's tau (0: ODE); flow_sde: sde.py's noise level a"""
     tau_window: tuple[float, float] = (0.3, 0.9)
-    """SA-Solver steps into a sigma in this closed range have tau --noise-level, others 0"""
+    """SA-Solver steps into a sigma in this range have tau --noise-level, others 0"""
     prompts_per_epoch: int = 72
     """prompts (groups) per epoch, over all GPUs"""
     batch_size: int = 6
@@ -144,27 +143,21 @@ class Args:
     ema_decay: float = 0.99
     """EMA decay of the LoRA used for eval and the saved `ema_lora` (0: off)"""
     train_timesteps: int = 6
-    """K: timesteps per micro-batch, one per stratum of the grid, shared by its samples"""
+    """K: timesteps per micro-batch, one per stratum, shared by its samples"""
     time_type: Literal["discrete_wo_init", "discrete"] = "discrete_wo_init"
-    """strata over grid indices [1, M) (never sigma = 1) or [0, M); M = num_steps x fraction"""
+    """strata from grid index 1 (never sigma = 1) or 0 (see stratified_timestep_indices)"""
     timestep_fraction: float = 0.9
     """train on this fraction of the grid (its least noisy steps are left out)"""
-    weighting: Literal["ghuber", "Uniform", "t", "t**2", "huber"] = "ghuber"
-    """how the flow-matching error becomes a log-prob (see awm_log_prob)"""
     ghuber_power: float = 0.25
-    """p of the 'ghuber' weighting"""
-    clip_range: float = 1.0
-    """PPO clip of the ratio (inactive on-policy, where the ratio is exactly 1)"""
+    """p of the 'ghuber' log-prob (see awm_log_prob)"""
     adv_clip: float = 5.0
-    """advantages are clipped to +-adv_clip, then divided by it (to [-1, 1])"""
+    """advantages are clipped to +-adv_clip, then scaled to [-1, 1]"""
     kl_beta: float = 0.003
-    """weight of mean((v - v_base)^2), the base being the LoRA switched off"""
+    """weight of the KL to the base model (the LoRA switched off)"""
     anchor_beta: float = 1.0
-    """weight of mean((v - v_anchor)^2) to a trailing copy of the LoRA (upstream `ema_beta`)"""
+    """weight of the KL to the anchor, a trailing copy of the LoRA (upstream `ema_beta`)"""
     anchor_decay_max: float = 0.3
-    """after each step anchor <- d anchor + (1 - d) lora, d = min(max, rate x global_step)"""
-    anchor_decay_rate: float = 0.001
-    """slope of the anchor decay in optimizer steps (upstream's 'linear' type)"""
+    """after each step anchor <- d anchor + (1 - d) lora, d = min(max, 0.001 x global_step)"""
     eval_every: int = 20
     """evaluate every N epochs (and after the last; GenEval, PickScore: 50)"""
     save_every: int = 20
@@ -175,64 +168,43 @@ class Args:
 LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
                 "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]
 STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other values of these
-LOG_PROB_EPS = 1e-10  # keeps (l + eps)^p differentiable at l = 0
-HUBER_OFFSET = 1e-5  # upstream's 'huber': -t (sqrt(l + eps) - 1e-5)
-SA_SOLVER_T_START = 1 - 1e-3  # the SA-Solver grid starts just below sigma = 1
 
 
 # ALGO LOGIC: the AWM log-prob and loss, the training timesteps, the SA-Solver rollout
-def awm_log_prob(v, x0, noise, t, weighting="ghuber", power=0.25):
-    """AWM's log-likelihood proxy (B,), float64: minus the t-weighted flow-matching error l
-    of v at x_t = (1 - t) x0 + t noise; v, x0, noise: (B, ...), t: a float or (B,).
-    ghuber's gradient -t (l + eps)^(p - 1) damps the samples the model fits worst."""
+def awm_log_prob(v, x0, noise, t, power=0.25):
+    """AWM's log-likelihood proxy (B,), float64: -(t / p)((l + eps)^p - eps^p), l the flow-
+    matching error of v at x_t = (1 - t) x0 + t noise. Its gradient -t (l + eps)^(p - 1)
+    damps the samples the model fits worst; eps = 1e-10 keeps it finite at l = 0."""
     target = noise.double() - x0.double()  # the velocity from x0 to the noise
     error = ((v.double() - target) ** 2).flatten(1).mean(1)  # l: (B,)
-    t = torch.as_tensor(t, dtype=torch.float64, device=error.device).expand_as(error)
-    penalties = {
-        "Uniform": error,
-        "t": t * error,
-        "t**2": t**2 * error,
-        "huber": t * (torch.sqrt(error + LOG_PROB_EPS) - HUBER_OFFSET),
-        "ghuber": t / power * ((error + LOG_PROB_EPS) ** power - LOG_PROB_EPS**power)}
-    if weighting not in penalties:
-        raise ValueError(f"unknown weighting {weighting!r}")
-    return -penalties[weighting]
+    t = torch.as_tensor(t, dtype=torch.float64, device=error.device)
+    return -(t / power * ((error + 1e-10) ** power - 1e-10**power))
 
 
-def awm_loss(log_prob, old_log_prob, advantages, v, v_base, v_anchor, accum_steps,
-             clip_range, adv_clip, kl_beta, anchor_beta):
-    """One micro-batch's loss; returns (loss to backward, policy loss, KL, anchor KL, ratio).
-
-    log_prob, old_log_prob (awm_log_prob's), advantages: (N,), N = K timesteps x B samples;
-    v, v_base, v_anchor: (N, C, h, w), the velocity of the LoRA, the base model and the
-    anchor (None: no such term). The factors:
+def awm_loss(log_prob, advantages, v, v_base, v_anchor, accum_steps, adv_clip, kl_beta,
+             anchor_beta):
+    """One micro-batch's loss to backward, and its policy, KL and anchor KL terms. log_prob
+    (awm_log_prob's), advantages: (N,), N = K timesteps x B samples; v, v_base, v_anchor:
+    (N, C, h, w), the LoRA's, base model's and anchor's velocity (None: no such term).
     - advantages clipped to +-adv_clip, so outliers cannot dominate, and scaled to [-1, 1];
-    - PPO's max(-A ratio, -A clip(ratio, 1 +- clip_range)), ratio = exp(logp - logp_old).
-      On-policy (old_log_prob = log_prob.detach()) the ratio is 1 and the gradient
-      -A grad(logp) / N: flow matching towards good samples, away from bad ones;
-    - + kl_beta * mean((v - v_base)^2), to stay near the base model;
-    - + anchor_beta * mean((v - v_anchor)^2), to stay near a trailing copy of the LoRA,
-      a soft trust region;
-    - / accum_steps: the epoch's one optimizer step adds up its micro-batches, so its
-      gradient is the mean over all samples and timesteps."""
+    - -A ratio, ratio = exp(logp - logp.detach()) = 1 with logp's gradient: flow matching
+      towards good samples, away from bad ones (on-policy: upstream's PPO clip never acts);
+    - kl_beta * mean((v - v_base)^2) keeps the LoRA near the base model, and anchor_beta *
+      mean((v - v_anchor)^2) near a trailing copy of itself;
+    - / accum_steps: the epoch's one optimizer step sums its micro-batches' gradients."""
     advantages = advantages.double().clamp(-adv_clip, adv_clip) / adv_clip
-    ratio = torch.exp(log_prob - old_log_prob)
-    clipped_ratio = ratio.clamp(1 - clip_range, 1 + clip_range)
-    policy_loss = torch.maximum(-advantages * ratio, -advantages * clipped_ratio).mean()
-    kl, anchor_kl = v.new_zeros(()), v.new_zeros(())
-    if v_base is not None:
-        kl = ((v - v_base) ** 2).mean()
-    if v_anchor is not None:
-        anchor_kl = ((v - v_anchor) ** 2).mean()
+    ratio = torch.exp(log_prob - log_prob.detach())
+    policy_loss = (-advantages * ratio).mean()
+    kl = ((v - v_base) ** 2).mean() if v_base is not None else v.new_zeros(())
+    anchor_kl = ((v - v_anchor) ** 2).mean() if v_anchor is not None else v.new_zeros(())
     loss = policy_loss.float() + kl_beta * kl + anchor_beta * anchor_kl
-    return loss / accum_steps, policy_loss, kl, anchor_kl, ratio
+    return loss / accum_steps, policy_loss, kl, anchor_kl
 
 
 def stratified_timestep_indices(num_train_steps, count, time_type, generator):
-    """`count` grid indices (count,), one uniform draw per stratum [b_i, b_i+1), b =
-    floor(linspace(low, num_train_steps, count + 1)): spread over the grid. low: 1 for
-    'discrete_wo_init' (never index 0, sigma = 1), 0 for 'discrete'. An empty stratum
-    yields its lower end."""
+    """`count` grid indices, one uniform draw from each stratum [b_i, b_i+1), b =
+    floor(linspace(low, num_train_steps, count + 1)); low: 1 for 'discrete_wo_init' (never
+    sigma = 1), 0 for 'discrete'. An empty stratum yields its lower end."""
     low = 0 if time_type == "discrete" else 1
     bounds = torch.linspace(low, num_train_steps, count + 1).long()
     uniform = torch.rand(count, generator=generator, device=generator.device).cpu()
@@ -240,15 +212,13 @@ def stratified_timestep_indices(num_train_steps, count, time_type, generator):
 
 
 @torch.no_grad()
-def sa_solver_rollout(transformer, scheduler, noise, sigmas, tau: float, tau_window, embeds,
+def sa_solver_rollout(transformer, scheduler, noise, sigmas, tau, tau_window, embeds,
                       pooled, neg_embeds, neg_pooled, guidance_scale, autocast, generator):
-    """SA-Solver (arXiv:2309.05019) from noise to the sample (B, C, h, w), fp32;
-    `scheduler`: diffusers' SASolverScheduler in flow mode. Its own grid never reaches
-    sigma = 0, upstream's does: SD3's `sigmas` (T+1,) less the 0, from 1 - 1e-3, the last
-    point halved, and the last call's x - sigma v is the sample. A step uses tau when its
-    target sigma is in tau_window; the second point is not corrected, as upstream."""
+    """SA-Solver (arXiv:2309.05019) from noise to the sample, fp32. diffusers' own grid never
+    reaches sigma = 0, upstream's does: SD3's `sigmas` less the 0, from 1 - 1e-3, the last
+    point halved; the last call's x - sigma v is the sample."""
     grid = sigmas[:-1].clone()  # (T,)
-    grid[0], grid[-1] = SA_SOLVER_T_START, grid[-2] / 2
+    grid[0], grid[-1] = 1 - 1e-3, grid[-2] / 2
     scheduler.set_timesteps(len(grid))  # resets the multistep history
     scheduler.sigmas = torch.cat([grid, grid[-1:]]).cpu()
     scheduler.timesteps = (1000 * grid).cpu()
@@ -263,7 +233,7 @@ def sa_solver_rollout(transformer, scheduler, noise, sigmas, tau: float, tau_win
                                  guidance_scale)
         if i == len(grid) - 1:
             return x - sigma * v
-        if i == 1:  # with no last sample, diffusers skips the corrector
+        if i == 1:  # as upstream, no corrector on the second point
             scheduler.last_sample = None
         x = scheduler.step(v, scheduler.timesteps[i], x, generator=generator,
                            return_dict=False)[0].float()
@@ -553,9 +523,8 @@ if __name__ == "__main__":
         run_dir = os.path.dirname(parent)  # a resumed run continues in its own directory
 
     # ALGO LOGIC: from images to optimizer steps. The defaults on 8 GPUs: 72 prompts x 24
-    # images = 1728, 216 per GPU, sampled in 36 batches of 6. Training re-noises each sample
-    # at K = 6 timesteps, in 72 micro-batches of 3 samples (forwards 3 x 6 = 18 wide),
-    # whose gradients add up into the epoch's one optimizer step (accum_steps = 72).
+    # images = 1728, 216 per GPU, sampled in 36 batches of 6, trained in 72 micro-batches of
+    # 3 samples x K = 6 timesteps (18 wide), summed into one optimizer step (accum_steps 72).
     if local_images % args.train_batch_size:
         fail(f"{local_images} images per GPU per epoch do not split into "
              f"--train-batch-size {args.train_batch_size}")
@@ -563,8 +532,7 @@ if __name__ == "__main__":
     num_train_steps = int(args.num_steps * args.timestep_fraction)
     if num_train_steps < 2 or args.train_timesteps < 1:
         fail(f"--num-steps {args.num_steps} x --timestep-fraction {args.timestep_fraction} "
-             "leaves no training grid points below sigma = 1 (need int(steps x fraction) >= 2)"
-             ", or --train-timesteps < 1")
+             "leaves no training grid points below sigma = 1, or --train-timesteps < 1")
     if rank == 0:
         devices = "GPU(s)" if device.type == "cuda" else "process(es)"
         print(f"{world} {devices} x {num_batches} rollout batches x {args.batch_size} = "
@@ -690,11 +658,9 @@ if __name__ == "__main__":
         else:
             chosen = torch.randint(num_prompts, (per_epoch,), generator=prompt_gen)
 
-        # ALGO LOGIC: sampling. Every rank shuffles the epoch's images the same way and samples
-        # its own slice of them. AWM needs only the clean samples: any solver will do.
-        order = torch.randperm(images_per_epoch, generator=prompt_gen)
+        # ALGO LOGIC: sampling. AWM trains on the clean samples alone: any solver will do
         group_ids = torch.arange(args.prompts_per_epoch).repeat_interleave(args.group_size)
-        group_ids = group_ids[order]  # (P*G,) the group (prompt) of every image
+        group_ids = group_ids[torch.randperm(images_per_epoch, generator=prompt_gen)]  # (P*G,)
         my_groups = group_ids.view(world, num_batches, args.batch_size)[rank]
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
         transformer.eval()
@@ -743,19 +709,17 @@ if __name__ == "__main__":
         transformer.train()
         train_gen = seeded_generator(device, args.seed, epoch, rank, 1)  # timesteps, noise
         stats = {"policy_loss": [], "kl": [], "anchor_kl": [], "fm_loss": []}
-        num_timesteps, micro_size = args.train_timesteps, args.train_batch_size
-        starts = range(0, local_images, micro_size)
-        for start in tqdm(starts, f"epoch {epoch} training", disable=quiet, leave=False):
-            micro = slice(start, start + micro_size)  # this micro-batch's samples
-            step_ids = stratified_timestep_indices(num_train_steps, num_timesteps,
+        micro_batches = torch.arange(local_images).split(args.train_batch_size)
+        for micro in tqdm(micro_batches, f"epoch {epoch} training", disable=quiet, leave=False):
+            step_ids = stratified_timestep_indices(num_train_steps, args.train_timesteps,
                                                    args.time_type, train_gen)
             # (K*B,) timestep-major: K blocks of the B samples, one timestep each
-            t = sigmas[step_ids.to(device)].repeat_interleave(micro_size)
-            x0 = samples[micro].repeat(num_timesteps, 1, 1, 1)  # (K*B, C, h, w)
+            rows = micro.repeat(args.train_timesteps)
+            t = sigmas[step_ids.to(device)].repeat_interleave(len(micro))
+            x0 = samples[rows]  # (K*B, C, h, w)
             noise = torch.randn(x0.shape, generator=train_gen, device=device)
             x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * noise
-            cond = (embeds[micro].repeat(num_timesteps, 1, 1),  # (K*B, L, D)
-                    pooled[micro].repeat(num_timesteps, 1), *neg, args.guidance_scale)
+            cond = (embeds[rows], pooled[rows], *neg, args.guidance_scale)
             v_base, v_anchor = None, None
             with torch.no_grad(), autocast:  # references need no graph
                 if args.kl_beta > 0:
@@ -766,11 +730,10 @@ if __name__ == "__main__":
                         v_anchor = predict_velocity(transformer, x_t, t, *cond)
             with autocast:
                 v = predict_velocity(transformer, x_t, t, *cond)  # (K*B, C, h, w)
-            log_prob = awm_log_prob(v, x0, noise, t, args.weighting, args.ghuber_power)
-            loss, policy_loss, kl, anchor_kl, _ = awm_loss(
-                log_prob, log_prob.detach(), my_advantages[micro].repeat(num_timesteps), v,
-                v_base, v_anchor, accum_steps, args.clip_range, args.adv_clip, args.kl_beta,
-                args.anchor_beta)
+            log_prob = awm_log_prob(v, x0, noise, t, args.ghuber_power)
+            loss, policy_loss, kl, anchor_kl = awm_loss(
+                log_prob, my_advantages[rows], v, v_base, v_anchor, accum_steps, args.adv_clip,
+                args.kl_beta, args.anchor_beta)
             scaler.scale(loss).backward()
             fm_loss = ((v.detach() - (noise - x0)) ** 2).mean()  # unweighted, for the log
             for name, value in zip(stats, [policy_loss, kl, anchor_kl, fm_loss]):
@@ -778,9 +741,8 @@ if __name__ == "__main__":
         grad_norm = optimizer_step(optimizer, scaler, lora_params, args.max_grad_norm, world,
                                    loss, f"epoch {epoch}, step {global_step}", run_dir)
         global_step += 1
-        # The EMA (upstream's warm-up); the anchor trails the LoRA ever more slowly
-        decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))
-        anchor_decay = min(args.anchor_decay_max, args.anchor_decay_rate * global_step)
+        decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))  # upstream's warm-up
+        anchor_decay = min(args.anchor_decay_max, 0.001 * global_step)  # upstream's 'linear'
         for ema, anchor, p in zip(ema_params, anchor_params, lora_params):
             ema.mul_(decay).add_(p.detach(), alpha=1 - decay)
             anchor.mul_(anchor_decay).add_(p.detach(), alpha=1 - anchor_decay)
