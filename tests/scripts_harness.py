@@ -209,6 +209,18 @@ def lora_tensors(checkpoint: Path) -> list[torch.Tensor]:
     return torch.load(checkpoint / "state.pt", map_location="cpu")["lora"]
 
 
+PHASES = ["eval", "text_encoding", "sampling", "reward", "training"]
+
+
+def assert_phases_add_up(metrics: dict):
+    """The per-phase seconds (perf/*) are logged, do not overlap and account for the epoch."""
+    phases = [metrics[f"perf/{name}_seconds"] for name in PHASES]
+    assert all(seconds >= 0 for seconds in phases), phases
+    epoch = metrics["perf/epoch_seconds"]
+    assert abs(sum(phases) - epoch) <= 0.1 * epoch + 0.5, (phases, epoch)
+    assert metrics["perf/images_per_sec"] > 0 and metrics["perf/max_mem_gb"] > 0
+
+
 def assert_common_run(run_dir: Path, epochs: int) -> list[dict]:
     """What every training script must leave behind after `epochs` epochs with --eval-every 1
     --save-every 1."""
@@ -219,6 +231,7 @@ def assert_common_run(run_dir: Path, epochs: int) -> list[dict]:
             if key.startswith("losses/") and key != "losses/on_policy_ratio_dev":
                 assert math.isfinite(value), (key, value)
         assert math.isfinite(epoch["reward/mean"])
+        assert_phases_add_up(epoch)
     assert (run_dir / "eval_00000.png").is_file()
     assert (run_dir / f"eval_{epochs:05d}.png").is_file()
     last = run_dir / "checkpoints" / f"epoch_{epochs:05d}"
