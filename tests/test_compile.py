@@ -14,6 +14,5 @@ def test_compiled_grpo_stays_on_policy_and_compiles_once(tiny_sd3, tmp_path):
     metrics = assert_common_run(run_dir, epochs=3)
     graphs = [m["perf/compiled_graphs"] for m in metrics]
     assert graphs[0] > 0 and graphs == [graphs[0]] * 3, graphs  # epochs 1 and 2 reuse them
-    assert metrics[0]["perf/compile_seconds"] > 0
     for m in metrics:  # clip-range 1e-4: the script warns above 1e-5
         assert m["losses/on_policy_ratio_dev"] <= 1e-5
