@@ -1,17 +1,26 @@
-"""DiffusionNFT on Stable Diffusion 3.5 Medium: forward-process RL with implicit positive/negative policies.
+"""DiffusionNFT on Stable Diffusion 3.5 Medium: RL on the forward (noising) process.
 
-Paper: DiffusionNFT (arXiv:2509.16117). Upstream: NVlabs/DiffusionNFT, scripts/train_nft_sd3.py.
-Rollouts keep only the final clean latent; training re-noises it and pulls v_theta towards the implicit positive
-policy beta*v_theta + (1-beta)*v_old on good samples and away (through the negative one) on bad ones. No log-probs,
-no CFG, any ODE solver. Defaults = the paper's OCR run (upstream config/nft.py::sd3_ocr), for any GPU count:
-    torchrun --nproc_per_node 8 nft_sd35.py --train-prompts ocr/train.txt --test-prompts ocr/test.txt
-GenEval / PickScore / HPS configs: add `--beta 1.0 --decay-type 1 --updates-per-epoch 1` and the reward.
-CPU demo on the committed toy world (counting shapes, ~1.5 min): `eval`, held-out exact accuracy, 0.44 -> 0.58
-    python nft_sd35.py --model tests/assets/toy-sd3 --train-prompts tests/assets/toy_train.txt \
-        --test-prompts tests/assets/toy_test.txt --reward tests/toy_rewards.py:counting_partial \
-        --eval-reward tests/toy_rewards.py:counting --resolution 32 --max-sequence-length 24 --mixed-precision no \
-        --eval-num-steps 10 --group-size 16 --prompts-per-epoch 6 --batch-size 16 --lora-rank 8 --lora-alpha 8 \
-        --kl-beta 0 --ema-decay 0 --learning-rate 3e-3 --epochs 8 --eval-every 4
+Paper: DiffusionNFT, https://arxiv.org/abs/2509.16117
+
+Rollouts keep only the clean sample (no log-probs, no CFG: any ODE solver); training re-noises
+it and pulls the velocity towards an implicit positive policy on good samples and away from a
+negative one on bad ones (nft_loss).
+
+The defaults are the paper's OCR run (upstream config/nft.py::sd3_ocr), rescaled to any GPU
+count; GenEval, PickScore, HPS: `--beta 1.0 --decay-type 1 --updates-per-epoch 1 --reward ...`.
+    torchrun --nproc_per_node 8 nft_sd35.py --train-prompts ocr/train.txt \
+        --test-prompts ocr/test.txt
+
+CPU demo on the toy world (about a minute): README.md, "Running a script".
+
+Provenance: NVlabs/DiffusionNFT@24af555 unless named.
+    group_advantages      flow_grpo/stat_tracking.py, PerPromptStatTracker (global_std)
+    compute_advantages    GDPO, arXiv:2601.05242
+    nft_loss              scripts/train_nft_sd3.py, the training loop
+    old_decay             scripts/train_nft_sd3.py, return_decay
+    dpm_sample            flow_grpo/diffusers_patch/solver.py, run_sampling ('dpm2')
+    the prompt draw       scripts/train_nft_sd3.py, DistributedKRepeatSampler
+    the EMA               flow_grpo/ema.py, EMAModuleWrapper (once per optimizer step)
 """
 
 import glob
@@ -32,8 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
-from diffusers import StableDiffusion3Pipeline
-from huggingface_hub import hf_hub_download
+from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 from PIL import Image
@@ -42,232 +50,224 @@ from tqdm import tqdm
 import rewards
 from sde import sde_step
 
-
 @dataclass
 class Args:
-    # ---- experiment ----
+    # Experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of this experiment (wandb group and run-directory prefix)"""
+    """name of the experiment (wandb group, run-directory prefix)"""
     seed: int = 42
-    """seed of LoRA init and prompt draws (identical on all ranks); sampling noise is seeded per rank and epoch"""
+    """seed of the LoRA init and prompt draws; noise is seeded per (seed, epoch, rank)"""
     track: bool = False
     """log to Weights & Biases (stdout and metrics.jsonl are always written)"""
     wandb_project: str = "flowrl"
     """wandb project"""
     wandb_entity: str | None = None
-    """wandb entity; None = your default entity"""
+    """wandb entity (None: your default one)"""
     output_dir: str = "runs"
-    """runs are written to OUTPUT_DIR/RUN_NAME (metrics, eval sheets, checkpoints)"""
+    """runs go to OUTPUT_DIR/RUN_NAME (metrics, eval sheets, checkpoints)"""
     resume: str | None = None
-    """checkpoint directory to continue from (continues at the epoch after it)"""
+    """checkpoint directory to continue from"""
     eval_only: bool = False
-    """only evaluate (the EMA weights of --resume, or the base model) on the test prompts, then exit"""
-    # ---- model ----
+    """only evaluate the EMA weights of --resume (or the base model), then exit"""
+    # Model
     model: str = "stabilityai/stable-diffusion-3.5-medium"
     """hub id or local path of a diffusers StableDiffusion3Pipeline"""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
-    """dtype of the frozen text encoders and transformer base, with autocast (LoRA and VAE stay fp32); no = all fp32"""
+    """dtype of the frozen weights, with autocast (LoRA and VAE stay fp32)"""
     gradient_checkpointing: bool = False
-    """recompute transformer activations in the backward pass (less memory, ~30% slower)"""
+    """recompute activations in the backward pass (less memory, ~30% slower)"""
+    compile: bool = torch.cuda.is_available()
+    """torch.compile each transformer block (~2x faster on a GPU; default: on with CUDA)"""
     lora_rank: int = 32
     """LoRA rank on the 8 joint-attention projections of every block"""
     lora_alpha: int = 64
     """LoRA alpha (scale = alpha / rank)"""
-    max_sequence_length: int = 128
-    """T5 tokens per prompt (upstream: 128)"""
-    # ---- data and reward ----
+    # Data and reward
     train_prompts: str = "prompts/train.txt"
-    """training prompts: one per line, or JSONL with a `prompt` field (other fields are passed to the reward)"""
+    """one prompt per line, or JSONL with a `prompt` field (the rest goes to the reward)"""
     test_prompts: str = "prompts/test.txt"
     """eval prompts, same format"""
     reward: str = "ocr"
-    """a rewards.py name, a weighted list `ocr=1.0,pickscore=0.5`, or `path/to/file.py:function`"""
+    """a rewards.py name, a weighted list `ocr=1.0,pickscore=0.5`, or `file.py:function`"""
     eval_reward: str | None = None
-    """reward for eval; None = the training reward"""
+    """reward of eval (None: the training reward)"""
     advantage_aggregation: Literal["sum", "gdpo"] = "sum"
-    """several rewards: normalise their weighted sum (upstream), or each within its group then sum (GDPO, arXiv:2601.05242)"""
-    # ---- sampling ----
+    """several rewards: normalise their weighted sum, or each one, then sum (GDPO)"""
+    per_group_std: bool = False
+    """divide advantages by their group's std, not the epoch's (upstream: the epoch's)"""
+    # Sampling
     resolution: int = 512
     """image height and width in pixels"""
-    num_steps: int = 10
-    """rollout steps of the deterministic DPM-Solver++ on SD3's grid (the grid but its final 0 = training timesteps)"""
     eval_num_steps: int = 40
-    """Euler ODE steps for eval"""
-    guidance_scale: float = 1.0
-    """classifier-free guidance scale in rollouts, training forwards and eval (NFT is CFG-free: 1.0)"""
-    # ---- batch sizes (global ones do not depend on the GPU count) ----
+    """Euler ODE steps of eval"""
+    # Batch sizes (global ones do not depend on the GPU count)
     group_size: int = 24
-    """images per prompt (the GRPO group)"""
-    prompts_per_epoch: int = 48
-    """prompts (groups) per epoch, over all GPUs"""
-    batch_size: int = 9
-    """per-GPU micro-batch in rollout and training"""
+    """images per prompt (a group: its mean reward is the advantage baseline)"""
     eval_batch_size: int = 8
     """per-GPU eval batch"""
-    updates_per_epoch: int = 2
-    """optimizer steps per epoch (upstream: 2 for OCR, 1 for GenEval / PickScore / HPS)"""
     epochs: int = 1000
-    """epochs to train (each = sample, score, update)"""
-    # ---- optimisation ----
+    """epochs to train (each: sample, score, update)"""
+    # Optimisation
     learning_rate: float = 3e-4
     """AdamW learning rate (constant)"""
     weight_decay: float = 1e-4
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
-    ema_decay: float = 0.9
-    """EMA decay of the LoRA weights used for eval and the saved `ema` LoRA (0 disables)"""
-    # ---- algorithm ----
-    beta: float = 0.1
-    """NFT beta: v+ = beta v_theta + (1 - beta) v_old, v- = (1 + beta) v_old - beta v_theta (OCR 0.1; others 1.0)"""
-    decay_type: Literal[0, 1, 2] = 2
-    """old-policy decay eta(step): 0 = always 0 (on-policy); 1 = min(0.001 step, 0.5); 2 (OCR) = 0 before step 75,
-    then min(0.0075 (step - 75), 0.999)"""
-    kl_beta: float = 1e-4
-    """weight of mean((v_theta - v_base)^2), the base being the transformer with LoRA disabled"""
-    timestep_fraction: float = 0.99
-    """train each sample on a random int(num_steps * fraction) of the rollout grid's timesteps"""
-    adv_clip: float = 5.0
-    """advantages are clipped to +-adv_clip, then mapped to an optimality probability r in [0, 1]"""
-    per_group_std: bool = False
-    """normalise advantages by each group's std instead of the epoch's global std (upstream default: global)"""
-    # ---- logging, eval, checkpoints ----
-    eval_every: int = 10
-    """evaluate every N epochs (and after the last)"""
+    # Logging, eval, checkpoints
     eval_sheet_size: int = 16
     """images of the first eval prompts in the contact sheet"""
+    # Algorithm-specific arguments (defaults: the paper's OCR run)
+    max_sequence_length: int = 128
+    """T5 tokens per prompt"""
+    num_steps: int = 10
+    """DPM-Solver++ steps per rollout, on SD3's grid (whose sigmas but the final 0 are trained)"""
+    guidance_scale: float = 1.0
+    """CFG scale of rollouts, training and eval (NFT is CFG-free: 1)"""
+    prompts_per_epoch: int = 48
+    """prompts (groups) per epoch, over all GPUs"""
+    batch_size: int = 9
+    """per-GPU micro-batch of rollout and training"""
+    updates_per_epoch: int = 2
+    """optimizer steps per epoch (upstream: 2 for OCR, 1 for GenEval, PickScore, HPS)"""
+    timestep_fraction: float = 0.99
+    """train each sample at a random int(num_steps * fraction) of the grid's timesteps"""
+    beta: float = 0.1
+    """how far the implicit policies step from the old one (see nft_loss; OCR 0.1, others 1)"""
+    adv_clip: float = 5.0
+    """advantages are clipped to +-adv_clip, then mapped to r in [0, 1] (see nft_loss)"""
+    kl_beta: float = 1e-4
+    """weight of the KL to the base model, mean((v - v_base)^2) (see nft_loss)"""
+    decay_type: Literal[0, 1, 2] = 2
+    """the old policy's decay eta(step) (see old_decay): 0 = 0 (on-policy); 1 = min(0.001 step,
+    0.5); 2 (OCR) = 0 before step 75, then min(0.0075 (step - 75), 0.999)"""
+    ema_decay: float = 0.9
+    """EMA decay of the LoRA used for eval and the saved `ema_lora` (0: off)"""
+    eval_every: int = 10
+    """evaluate every N epochs (and after the last)"""
     save_every: int = 30
     """checkpoint every N epochs (and after the last)"""
 
-
+# The joint-attention projections of every MMDiT block, as upstream
 LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
-                "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]  # the 8 joint-attention projections
-STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses a checkpoint saved with other values
+                "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]
+STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other values of these
 
+# ALGO LOGIC: the NFT loss, the old policy's decay, the deterministic rollout sampler
+def nft_loss(v, v_old, v_ref, x0, xt, t, advantages, beta, adv_clip, kl_beta, accum_steps):
+    """One micro-step's loss; returns (loss to backward, policy loss, KL).
 
-# ---- Algorithm: advantages, the old-policy decay, the NFT loss, the deterministic rollout ----
-def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, per_group_std: bool, eps: float = 1e-4):
-    """(reward - its group's mean) / (std + eps), std over all rewards (upstream `global_std`) or within the group.
-    rewards, group_ids: (N,). Population std as upstream's np.std. A group whose rewards are all equal gets zeros.
-    """
-    rewards, count = rewards.double(), torch.bincount(group_ids).double()
-    centered = rewards - (torch.bincount(group_ids, rewards) / count)[group_ids]
-    group_std = (torch.bincount(group_ids, centered**2) / count).sqrt()[group_ids]
-    std = group_std if per_group_std else rewards.std(unbiased=False)
-    return (centered / (std + eps)).float()
+    v, v_old, v_ref: (B, ...) fp32 velocities of the policy, the old (rollout) policy and the
+    base model (None: no KL) at xt = (1 - t) x0 + t noise; t, advantages: (B,). The factors:
+    - implicit policies v+ = beta v + (1 - beta) v_old, v- = (1 + beta) v_old - beta v: fitting
+      v+ to good samples and v- to bad ones moves v towards the good, away from the bad;
+    - adaptive weighting: l+- = mean(e^2) / sg(mean |e|) per sample, with e = xt - t v+- - x0
+      (fp64; sg: detached, >= 1e-5): a loss like |e|, so no timestep or outlier dominates;
+    - r = clip(A, +-adv_clip) / (2 adv_clip) + 1/2, the probability in [0, 1] that a sample
+      is good, weighs the branches: r l+ + (1 - r) l-;
+    - x adv_clip / beta: where v == v_old (an epoch's start while eta is 0) the gradient is
+      clip(A, +-adv_clip) times that of the weighted flow-matching loss, whatever beta;
+    - + kl_beta * mean((v - v_ref)^2), upstream's KL to the base model, to stay near it;
+    - / accum_steps: an optimizer step adds up accum_steps micro-steps' gradients."""
+    dims = tuple(range(1, v.dim()))
+    t = t.view([-1] + [1] * (v.dim() - 1))  # (B, 1, ...)
 
+    def normalised_error(v_branch):  # (B,)
+        error = xt - t * v_branch - x0
+        scale = error.detach().double().abs().mean(dim=dims, keepdim=True).clamp_min(1e-5)
+        return (error.double() ** 2 / scale).mean(dim=dims)
 
-def compute_advantages(rewards: torch.Tensor, components: dict[str, torch.Tensor], weights: dict[str, float],
-                       group_ids: torch.Tensor, aggregation: str, per_group_std: bool) -> torch.Tensor:
-    """Advantages (N,) of the weighted reward `rewards`; with `gdpo`, each component is normalised within its group,
-    weighted and summed, then the sum is normalised over the batch (GDPO, arXiv:2601.05242)."""
-    if aggregation == "sum" or len(components) <= 1:
-        return group_advantages(rewards, group_ids, per_group_std)
-    summed = sum(w * group_advantages(components[k], group_ids, per_group_std=True) for k, w in weights.items())
-    return (summed - summed.mean()) / (summed.std(unbiased=False) + 1e-4)
-
+    positive = normalised_error(beta * v + (1 - beta) * v_old)
+    negative = normalised_error((1 + beta) * v_old - beta * v)
+    r = advantages.double().clamp(-adv_clip, adv_clip) / (2 * adv_clip) + 0.5
+    policy_loss = (adv_clip * (r * positive + (1 - r) * negative) / beta).mean().float()
+    kl = torch.zeros((), device=v.device)
+    if v_ref is not None:
+        kl = ((v - v_ref) ** 2).mean(dim=dims).mean()
+    return (policy_loss + kl_beta * kl) / accum_steps, policy_loss, kl
 
 def old_decay(step: int, decay_type: int) -> float:
-    """eta of the old-policy update old <- eta old + (1 - eta) current after `step` optimizer steps
-    (upstream scripts/train_nft_sd3.py::return_decay)."""
+    """eta of the update old <- eta old + (1 - eta) current after `step` optimizer steps: 0 is
+    on-policy, learns fast, then collapses; a growing eta is stabler (the paper's Fig. 8)."""
     if decay_type == 0:
         return 0.0
     if decay_type == 1:
         return min(0.001 * step, 0.5)
     return 0.0 if step < 75 else min(0.0075 * (step - 75), 0.999)
 
-
-def nft_loss(v, v_old, x0, xt, t, advantages, beta: float, adv_clip: float = 5.0):
-    """DiffusionNFT policy loss (upstream scripts/train_nft_sd3.py, inner training loop).
-
-    v, v_old, x0, xt: (B, ...) with xt = (1 - t) x0 + t eps; t: (B,) sigmas; advantages: (B,) raw (unclipped).
-    Implicit policies v+ = beta v + (1 - beta) v_old and v- = (1 + beta) v_old - beta v; each x0-prediction error
-    xt - t v+- - x0 is squared and divided by its detached per-sample mean |error| (clamped >= 1e-5, computed in fp64);
-    r = clip(A, +-c) / (2c) + 1/2; loss = c * mean_b[(r l+ + (1 - r) l-) / beta]. With v == v_old the gradient is
-    clip(A, +-c) times the gradient of the self-normalised flow-matching loss (an advantage-weighted regression).
-    """
-    dims = tuple(range(1, v.dim()))
-    t = t.view(-1, *[1] * (v.dim() - 1)).float()
-    v, v_old, x0, xt = v.float(), v_old.float(), x0.float(), xt.float()
-
-    def normalised_error(v_branch):
-        err = xt - t * v_branch - x0
-        scale = err.detach().double().abs().mean(dim=dims, keepdim=True).clamp_min(1e-5)
-        return (err.double() ** 2 / scale).mean(dim=dims)  # (B,)
-
-    positive = normalised_error(beta * v + (1 - beta) * v_old)
-    negative = normalised_error((1 + beta) * v_old - beta * v)
-    r = advantages.double().clamp(-adv_clip, adv_clip) / (2 * adv_clip) + 0.5
-    return (adv_clip * (r * positive + (1 - r) * negative) / beta).mean().float()
-
-
 @torch.no_grad()
 def dpm_sample(velocity, noise, sigmas) -> torch.Tensor:
-    """Deterministic DPM-Solver++ in data prediction (NVlabs/DiffusionNFT flow_grpo/diffusers_patch/solver.py,
-    run_sampling with solver='dpm2'): first-order (DDIM) steps out of sigmas[0] and into sigmas[-1], second-order
-    multistep in between, coefficients in float64. velocity(x, sigma) -> v; noise (B, C, h, w); sigmas (T+1,) from 1
-    to 0. Returns latents (B, T+1, C, h, w), fp32. Out of sigma = 1 the log-SNR history is -inf, so the second step's
-    correction vanishes and it is first order too, as upstream's."""
+    """Deterministic DPM-Solver++ in data prediction: first-order (DDIM) steps out of
+    sigmas[0] and into sigmas[-1], second-order multistep between. velocity(x, sigma) -> v;
+    noise: (B, C, h, w); sigmas: (T+1,) from 1 to 0. Returns the latents (B, T+1, C, h, w),
+    fp32. s: the sigmas in fp64, as all coefficients; lam: the log-SNR log((1 - s) / s), -inf
+    at sigma 1 (so the second step is first order too, as upstream's); h: its increment."""
     s = sigmas.double()
-    lam = torch.log(1 - s) - torch.log(s)  # log-SNR, -inf at sigma 1 and +inf at sigma 0
+    lam = torch.log(1 - s) - torch.log(s)
     x, latents, x0_prev = noise.float(), [noise.float()], None
     for i in range(len(s) - 1):
-        x0 = x - s[i] * velocity(x, sigmas[i]).float()  # data prediction
-        if i == 0 or i == len(s) - 2:  # DDIM: x0 plus the implied noise x + (1 - sigma) v rescaled to sigma_next
+        x0 = x - s[i] * velocity(x, sigmas[i]).float()  # the data prediction
+        if i == 0 or i == len(s) - 2:  # DDIM: x0 plus its implied noise, rescaled to s[i+1]
             x = ((1 - s[i + 1]) * x0 + s[i + 1] * (x - (1 - s[i]) * x0) / s[i]).float()
         else:
             h = lam[i + 1] - lam[i]
-            d = x0 + (x0 - x0_prev) * h / (2 * (lam[i] - lam[i - 1]))  # second-order data-prediction difference
+            d = x0 + (x0 - x0_prev) * h / (2 * (lam[i] - lam[i - 1]))  # second order
             x = (s[i + 1] / s[i] * x - (1 - s[i + 1]) * torch.expm1(-h) * d).float()
         x0_prev = x0
         latents.append(x)
     return torch.stack(latents, dim=1)
-# ---------------------------------------------------------------------------------------------------------------
-# Boilerplate shared verbatim by the SD3.5 scripts: input checks, prompts, model, rollout, decode, eval, checkpoint
-# ---------------------------------------------------------------------------------------------------------------
-def fail(msg: str):
-    raise SystemExit(f"error: {msg}")
 
+# TRY NOT TO MODIFY: helpers shared verbatim by the SD3.5 scripts
+def fail(message: str):
+    raise SystemExit(f"error: {message}")
 
 def check_args(args) -> dict | None:
-    """Checks that need no weights (sizes, config files, wandb login, --resume); returns the checkpoint's state."""
-    bad = [n for n in ("epochs", "batch_size", "eval_batch_size", "train_batch_size", "updates_per_epoch", "eval_every",
-                       "save_every", "group_size", "prompts_per_epoch", "num_steps", "eval_num_steps", "lora_rank")
-           if getattr(args, n, 1) < 1] + ["learning_rate"] * (args.learning_rate < 0)
-    for n in bad[:1]:
-        fail(f"--{n.replace('_', '-')} must be >= {0 if n == 'learning_rate' else 1}, got {getattr(args, n)}")
-    try:  # the small config files give the resolution's factor before the weights load
-        vae, dit = (json.load(open(os.path.join(args.model, f"{d}/config.json") if os.path.exists(args.model) else
-                                   hf_hub_download(args.model, f"{d}/config.json"))) for d in ("vae", "transformer"))
-    except Exception as e:
-        fail(f"model {args.model!r} is neither an existing local path nor a hub id like 'org/name' with vae/ and "
-             f"transformer/ config.json ({type(e).__name__})")
-    factor = 2 ** (len(vae["block_out_channels"]) - 1) * dit.get("patch_size", 1)
+    """Checks that need no weights; returns the checkpoint's state when resuming."""
+    for name in ["epochs", "batch_size", "eval_batch_size", "train_batch_size", "updates_per_epoch",
+                 "eval_every", "save_every", "group_size", "prompts_per_epoch", "num_steps",
+                 "eval_num_steps", "lora_rank"]:
+        value = getattr(args, name, 1)  # not every script has every size
+        if value < 1:
+            fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.learning_rate < 0:
+        fail(f"--learning-rate must be >= 0, got {args.learning_rate}")
+    try:  # the config files give the resolution's factor before the weights load
+        vae = AutoencoderKL.load_config(args.model, subfolder="vae")
+        transformer = SD3Transformer2DModel.load_config(args.model, subfolder="transformer")
+    except Exception as error:
+        fail(f"model {args.model!r} is neither an existing local path nor a hub id like "
+             f"'org/name' with vae/ and transformer/ config.json ({type(error).__name__})")
+    factor = 2 ** (len(vae["block_out_channels"]) - 1) * transformer.get("patch_size", 1)
     if args.resolution < 1 or args.resolution % factor:
-        fail(f"--resolution {args.resolution} is not a multiple of {factor} (VAE downsampling x patch size)")
+        fail(f"--resolution {args.resolution} is not a multiple of {factor} "
+             "(VAE downsampling x patch size)")
     if args.track and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
         import wandb
         if not wandb.login(prompt=False):
-            fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), or WANDB_MODE=offline")
+            fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), "
+                 "or WANDB_MODE=offline")
     if not args.resume:
         return None
     path = os.path.join(args.resume, "state.pt")
     if os.path.basename(os.path.abspath(args.resume)).startswith(".") or not os.path.isfile(path):
-        fail(f"--resume {args.resume!r} is not a checkpoint directory (no state.pt; hidden ones are unfinished saves)")
+        fail(f"--resume {args.resume!r} is not a checkpoint directory "
+             "(no state.pt; hidden ones are unfinished saves)")
     state = torch.load(path, map_location="cpu")
     for flag in STATE_FLAGS:
-        if (saved := state["args"][flag]) != getattr(args, flag):
-            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)!r} differs from the checkpoint's {saved!r}")
+        if state["args"][flag] != getattr(args, flag):
+            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)!r} differs from the "
+                 f"checkpoint's {state['args'][flag]!r}")
     if not args.eval_only and state["next_epoch"] >= args.epochs:
-        fail(f"--epochs {args.epochs} is not past the checkpoint's {state['next_epoch']} epochs: nothing to train")
+        fail(f"--epochs {args.epochs} is not past the checkpoint's {state['next_epoch']} "
+             "epochs: nothing to train")
     return state
 
-
 def load_prompts(path: str) -> tuple[list[str], list[dict]]:
-    """One prompt per line, or JSONL (`.jsonl`) with a `prompt` field; returns prompts and per-prompt metadata."""
+    """One prompt per line, or JSONL with a `prompt` field; returns prompts and metadata."""
     if not os.path.isfile(path):
         fail(f"prompt file {path!r} does not exist")
-    lines = [line.strip() for line in open(path, encoding="utf-8") if line.strip()]
+    with open(path, encoding="utf-8") as file:
+        lines = [line.strip() for line in file if line.strip()]
     if not lines:
         fail(f"prompt file {path!r} is empty")
     if not path.endswith(".jsonl"):
@@ -277,410 +277,511 @@ def load_prompts(path: str) -> tuple[list[str], list[dict]]:
         fail(f"every line of {path!r} needs a 'prompt' field")
     return [row["prompt"] for row in rows], rows
 
-
-def setup_distributed() -> tuple[int, int, torch.device]:
-    """torchrun sets RANK/WORLD_SIZE: nccl on CUDA, gloo on CPU; plain `python` runs one process."""
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if "RANK" not in os.environ:
-        return 0, 1, device
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def all_gather_cat(t: torch.Tensor, world: int) -> torch.Tensor:
-    """Concatenate an equally-shaped tensor from every rank, in rank order."""
+def all_gather_cat(tensor: torch.Tensor, world: int) -> torch.Tensor:
+    """Concatenate an equally shaped tensor from every rank, in rank order."""
     if world == 1:
-        return t
-    out = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(out, t.contiguous())
-    return torch.cat(out)
-
+        return tensor
+    gathered = [torch.empty_like(tensor) for _ in range(world)]
+    dist.all_gather(gathered, tensor.contiguous())
+    return torch.cat(gathered)
 
 def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
-    """A generator whose seed mixes (seed, epoch, rank, ...): every draw is reproducible on resume, no state to save."""
-    return torch.Generator(device).manual_seed(int(np.random.SeedSequence(list(keys)).generate_state(1)[0]))
+    """Seeded from (seed, epoch, rank, ...): reproducible on resume, with no state to save."""
+    seed = np.random.SeedSequence(list(keys)).generate_state(1)[0]
+    return torch.Generator(device).manual_seed(int(seed))
 
+def group_advantages(rewards, group_ids, per_group_std: bool, eps: float = 1e-4):
+    """(reward - its group's mean) / (std + eps), all (N,); std: the population std of all
+    rewards (upstream's `global_std`) or of the group's."""
+    rewards = rewards.double()
+    count = torch.bincount(group_ids).double()
+    centered = rewards - (torch.bincount(group_ids, rewards) / count)[group_ids]
+    std = rewards.std(unbiased=False)
+    if per_group_std:
+        std = (torch.bincount(group_ids, centered**2) / count).sqrt()[group_ids]
+    return (centered / (std + eps)).float()
 
-def encode(pipe, prompts: list[str], device, max_sequence_length: int):
-    """Text embeddings (B, L, 4096) and pooled (B, 2048), from CLIP-L + CLIP-G + T5 as SD3 does."""
-    return pipe.encode_prompt(prompts, None, None, device=device, do_classifier_free_guidance=False,
-                              max_sequence_length=max_sequence_length)[::2]  # (embeds, -, pooled, -)
-
-
-def predict_velocity(transformer, x, sigma, embeds, pooled, neg_embeds, neg_pooled, guidance_scale: float):
-    """CFG velocity u + g (c - u), one forward on [uncond; cond] (cond only when g == 1); sigma: float or (B,)."""
-    cfg = guidance_scale != 1.0
-    timestep = (1000 * torch.as_tensor(sigma, device=x.device, dtype=torch.float32)).expand(x.shape[0])  # (B,)
-    if cfg:
-        x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
-        embeds, pooled = (torch.cat([neg.expand_as(c), c]) for neg, c in ((neg_embeds, embeds), (neg_pooled, pooled)))
-    v = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds,
-                    pooled_projections=pooled, return_dict=False)[0].float()
-    v_uncond, v_cond = v.chunk(2) if cfg else (v, v)
-    return v_uncond + guidance_scale * (v_cond - v_uncond)
-
+def compute_advantages(rewards, components, weights, group_ids, aggregation, per_group_std):
+    """Advantages (N,). `gdpo` with several rewards: normalise each within its group, sum them
+    weighted, normalise the sum over the epoch."""
+    if aggregation == "sum" or len(components) <= 1:
+        return group_advantages(rewards, group_ids, per_group_std)
+    summed = sum(weight * group_advantages(components[name], group_ids, per_group_std=True)
+                 for name, weight in weights.items())
+    return (summed - summed.mean()) / (summed.std(unbiased=False) + 1e-4)
 
 @torch.no_grad()
-def rollout(transformer, noise, sigmas, kind, noise_level, embeds, pooled, neg_embeds, neg_pooled, guidance_scale,
-            autocast, generator):
-    """Sample from sigma = 1 to 0. Returns latents (B, T+1, C, h, w) and log-probs (B, T), all fp32."""
-    x, latents, log_probs = noise.float(), [noise.float()], []
-    for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:]):
-        with autocast:
-            v = predict_velocity(transformer, x, sigma, embeds, pooled, neg_embeds, neg_pooled, guidance_scale)
-        x, log_prob = sde_step(v, x, sigma, sigma_next, kind, noise_level, generator=generator, sigma_max=sigmas[1])[:2]
-        latents.append(x)
-        log_probs.append(log_prob)
-    return torch.stack(latents, dim=1), torch.stack(log_probs, dim=1)
+def encode(pipe, prompts: list[str], device, max_sequence_length: int):
+    """Text embeddings (B, L, 4096) and pooled ones (B, 2048): CLIP-L, CLIP-G and T5."""
+    embeds, _, pooled, _ = pipe.encode_prompt(
+        prompts, None, None, device=device, do_classifier_free_guidance=False,
+        max_sequence_length=max_sequence_length)
+    return embeds, pooled
 
+def predict_velocity(transformer, x, sigma, embeds, pooled, neg_embeds, neg_pooled,
+                     guidance_scale: float):
+    """CFG velocity u + g (c - u) at sigma (a float or (B,)), one forward on [uncond; cond]."""
+    cfg = guidance_scale != 1.0
+    timestep = 1000 * torch.as_tensor(sigma, device=x.device, dtype=torch.float32)
+    timestep = timestep.expand(x.shape[0])
+    if cfg:
+        x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
+        embeds = torch.cat([neg_embeds.expand_as(embeds), embeds])
+        pooled = torch.cat([neg_pooled.expand_as(pooled), pooled])
+    v = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds,
+                    pooled_projections=pooled, return_dict=False)[0].float()
+    v_uncond = v_cond = v
+    if cfg:
+        v_uncond, v_cond = v.chunk(2)
+    return v_uncond + guidance_scale * (v_cond - v_uncond)
+
+@torch.no_grad()
+def rollout(transformer, noise, sigmas, kind, noise_level, embeds, pooled, neg_embeds,
+            neg_pooled, guidance_scale, autocast, generator, window=None):
+    """Sample sigma 1 -> 0: sde.py's step `kind` on the steps window[0] <= i < window[1] (None:
+    all), the Euler ODE elsewhere. Returns the window's latents (B, K+1, C, h, w), log-probs
+    (B, K) and step means (B, K, C, h, w), and the sample (B, C, h, w), all fp32."""
+    start, end = window or (0, len(sigmas) - 1)
+    x, latents, log_probs, means = noise.float(), [], [], []
+    for i in range(len(sigmas) - 1):
+        with autocast:
+            v = predict_velocity(transformer, x, sigmas[i], embeds, pooled, neg_embeds,
+                                 neg_pooled, guidance_scale)
+        if i == start:
+            latents.append(x)
+        step_kind = kind if start <= i < end else "ode"
+        x, log_prob, mean, _ = sde_step(v, x, sigmas[i], sigmas[i + 1], step_kind, noise_level,
+                                        generator=generator, sigma_max=sigmas[1])
+        if start <= i < end:
+            latents.append(x)
+            log_probs.append(log_prob)
+            means.append(mean)
+    return torch.stack(latents, 1), torch.stack(log_probs, 1), torch.stack(means, 1), x
 
 @torch.no_grad()
 def decode(vae, latents) -> torch.Tensor:
-    """Latents -> images (B, 3, H, W) in [0, 1], decoded in fp32 with the VAE's own scaling and shift."""
+    """Latents -> images (B, 3, H, W) in [0, 1], decoded in fp32."""
     latents = latents.float() / vae.config.scaling_factor + vae.config.shift_factor
     return (vae.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
 
-
-def contact_sheet(images: list[np.ndarray], path: str):
-    """Save (H, W, 3) uint8 images as one near-square grid PNG (black cells fill the last row)."""
-    cols = math.ceil(math.sqrt(len(images)))
-    images = images + [np.zeros_like(images[0])] * (-len(images) % cols)
-    rows = [np.concatenate(images[i : i + cols], axis=1) for i in range(0, len(images), cols)]
-    Image.fromarray(np.concatenate(rows, axis=0)).save(path)
-
-
-@torch.no_grad()
-def evaluate(pipe, args, prompts, metadata, reward_fn, eval_sigmas, neg, rank, world, device, autocast, shape):
-    """ODE-sample the test prompts (prompt i on rank i % world, noise seed i) -> (means of reward and info, sheet)."""
-    scores, sheet = [], []
-    for start in range(rank, len(prompts), world * args.eval_batch_size):
-        idx = range(start, len(prompts), world)[: args.eval_batch_size]  # this rank's next prompts
-        noise = torch.stack([torch.randn(shape, generator=seeded_generator(device, args.seed, i), device=device)
-                             for i in idx])
-        embeds, pooled = encode(pipe, [prompts[i] for i in idx], device, args.max_sequence_length)
-        images = decode(pipe.vae, rollout(pipe.transformer, noise, eval_sigmas, "ode", 0.0, embeds, pooled, *neg,
-                                          args.guidance_scale, autocast, None)[0][:, -1])
-        batch_scores, info = reward_fn(images.cpu(), [prompts[i] for i in idx], [metadata[i] for i in idx])
-        scores += [{"reward_mean": float(s), **{k: float(v[j]) for k, v in info.items()}}
-                   for j, s in enumerate(batch_scores.tolist())]
-        sheet += [(i, (img.permute(1, 2, 0).cpu().numpy() * 255).round().astype(np.uint8))
-                  for i, img in zip(idx, images) if i < args.eval_sheet_size]
+def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where, run_dir):
+    """Average the gradients over ranks (one flat all-reduce), unscale, clip, check, step;
+    returns the gradient norm before the clip."""
     if world > 1:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, (scores, sheet))
-        scores, sheet = [s for g in gathered for s in g[0]], [s for g in gathered for s in g[1]]
-    means = {k: float(np.mean([s[k] for s in scores])) for k in scores[0]}
-    return means, [img for _, img in sorted(sheet, key=lambda t: t[0])]
+        flat = torch.nn.utils.parameters_to_vector(p.grad for p in params)
+        dist.all_reduce(flat)
+        torch.nn.utils.vector_to_parameters(flat / world, [p.grad for p in params])
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    if not scaler.is_enabled():  # fp16's scaler skips non-finite steps itself
+        check_finite(where, run_dir, loss=loss, gradient=grad_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
 
-
-def save_checkpoint(path, transformer, lora_params, ema_params, optimizer, next_epoch, global_step, args, extra: dict):
-    """Atomic: written to a hidden temp dir (--resume refuses it, `epoch_*` never matches it), then renamed. `lora/`,
-    `ema_lora/`: diffusers LoRAs + peft config (trained alpha); state.pt resumes (`extra`: the algorithm's tensors)."""
+def save_checkpoint(path, transformer, lora_params, ema_params, snapshots, optimizer,
+                    next_epoch, global_step, args):
+    """Atomic: written to a hidden temporary directory (which --resume refuses and `epoch_*`
+    never matches), then renamed. `lora/`, `ema_lora/`: diffusers LoRAs with their peft
+    config; state.pt resumes (`extra`: the algorithm's snapshots)."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     config = transformer.peft_config["default"].to_dict()
-    for name, weights in (("lora", []), ("ema_lora", ema_params)):  # [] swaps nothing in
-        with swapped(lora_params, weights):
-            StableDiffusion3Pipeline.save_lora_weights(os.path.join(tmp, name), get_peft_model_state_dict(transformer),
-                                                       transformer_lora_adapter_metadata=config)
-    torch.save({"lora": [p.detach().cpu() for p in lora_params], "ema": [p.cpu() for p in ema_params],
-                "optimizer": optimizer.state_dict(), "next_epoch": next_epoch, "global_step": global_step,
-                "args": asdict(args), "extra": extra}, os.path.join(tmp, "state.pt"))
+    for name, copies in [("lora", []), ("ema_lora", ema_params)]:
+        with swapped(lora_params, copies):  # [] swaps nothing in
+            StableDiffusion3Pipeline.save_lora_weights(
+                os.path.join(tmp, name), get_peft_model_state_dict(transformer),
+                transformer_lora_adapter_metadata=config)
+    extra = {name: [p.cpu() for p in copies] for name, copies in snapshots.items()}
+    torch.save({"lora": [p.detach().cpu() for p in lora_params],
+                "ema": [p.cpu() for p in ema_params], "optimizer": optimizer.state_dict(),
+                "next_epoch": next_epoch, "global_step": global_step, "args": asdict(args),
+                "extra": extra}, os.path.join(tmp, "state.pt"))
     shutil.rmtree(path, ignore_errors=True)
     os.rename(tmp, path)
 
-
 @contextmanager
-def swapped(params, ema):
-    """Temporarily put the EMA values into the live LoRA parameters (for eval and the saved `ema_lora`)."""
-    for p, e in zip(params, ema):
-        p.data, e.data = e.data, p.data
+def swapped(params, copies):
+    """Temporarily swap `copies` (the EMA, a snapshot) into the live parameters."""
+    for p, copy in zip(params, copies):
+        p.data, copy.data = copy.data, p.data
     try:
         yield
     finally:
-        for p, e in zip(params, ema):
-            p.data, e.data = e.data, p.data
-
+        for p, copy in zip(params, copies):
+            p.data, copy.data = copy.data, p.data
 
 @contextmanager
 def adapters_disabled(transformer):
-    """The base model: the same transformer with its LoRA switched off (never a second copy)."""
+    """The base model: the same transformer, LoRA switched off (never a second copy)."""
     transformer.disable_adapters()
     try:
         yield
     finally:
         transformer.enable_adapters()
 
-
-def peak_memory_gb(device: torch.device) -> float:
-    return (torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6)  # Linux reports KiB
-
-
 def prepare_run_dir(run_dir: str, start_epoch: int):
-    """Create the run dir; a resumed one drops the metrics of the epochs it redoes and a crashed save's temp dirs."""
+    """Create the run directory, dropping a crashed save and the metrics of redone epochs."""
     for tmp in glob.glob(os.path.join(run_dir, "checkpoints", ".*")):
         shutil.rmtree(tmp)
     path = os.path.join(run_dir, "metrics.jsonl")
     lines = open(path).readlines() if os.path.exists(path) else []
     os.makedirs(run_dir, exist_ok=True)
-    with open(path, "w") as f:
-        f.writelines(line for line in lines if json.loads(line)["epoch"] < start_epoch)
-
+    with open(path, "w") as file:
+        file.writelines(line for line in lines if json.loads(line)["epoch"] < start_epoch)
 
 def rank_mean(values: dict[str, float], world: int, device) -> dict[str, float]:
-    """The mean of each value over ranks (logged stats are the whole run's, not rank 0's)."""
-    stacked = all_gather_cat(torch.tensor([list(values.values())], dtype=torch.float64, device=device), world)
-    return dict(zip(values, stacked.mean(0).tolist()))
+    """Each value's mean over ranks (logged statistics are the run's, not rank 0's)."""
+    local = torch.tensor([list(values.values())], dtype=torch.float64, device=device)
+    return dict(zip(values, all_gather_cat(local, world).mean(0).tolist()))
 
+def clock(device) -> float:
+    """Seconds (monotonic), read once the GPU has run its queued work: phase timings."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 def check_finite(where: str, run_dir: str, **values):
-    """Stop with one line naming the first non-finite value (reward, advantage, loss, gradient) and last checkpoint."""
-    for name in [k for k, v in values.items() if not torch.isfinite(torch.as_tensor(v)).all()][:1]:
-        last = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))[-1:] or ["none saved yet"]
-        fail(f"non-finite {name} at {where}; stopping. Last checkpoint: {last[0]}")
-
+    """Stop with one line naming the first non-finite value and the last checkpoint."""
+    for name, value in values.items():
+        if not torch.isfinite(torch.as_tensor(value)).all():
+            saved = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
+            last = saved[-1] if saved else "none saved yet"
+            fail(f"non-finite {name} at {where}; stopping. Last checkpoint: {last}")
 
 if __name__ == "__main__":
+    # TRY NOT TO MODIFY: input checks, rewards, run directory, all before the model loads
     args = tyro.cli(Args)
-
-    # ---- input checks and batch arithmetic: fail with one clear line before any model loads ----
     train_prompts, train_meta = ([], []) if args.eval_only else load_prompts(args.train_prompts)
     test_prompts, test_meta = load_prompts(args.test_prompts)
     state = check_args(args)
-    rank, world, device = setup_distributed()
-    quiet = rank != 0 or not sys.stderr.isatty()  # progress bars only on rank 0's terminal, not in log files
-    try:  # rewards are built before the model: a bad file or a server that does not answer fails here
+    rank, world, device = 0, 1, torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ:  # set by torchrun
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    quiet = rank != 0 or not sys.stderr.isatty()  # progress bars only on rank 0's terminal
+    try:  # a bad reward file, or a reward server not answering, fails here
         rewards.check_prompts(args.reward, train_prompts)
         rewards.check_prompts(args.eval_reward or args.reward, test_prompts)
         reward_fn = rewards.build_reward(args.reward, device=device)
-        eval_reward_fn = rewards.build_reward(args.eval_reward, device=device) if args.eval_reward else reward_fn
-    except ValueError as e:
-        fail(str(e))
+        eval_reward_fn = reward_fn
+        if args.eval_reward:
+            eval_reward_fn = rewards.build_reward(args.eval_reward, device=device)
+    except ValueError as error:
+        fail(str(error))
     images_per_epoch = args.prompts_per_epoch * args.group_size
     if images_per_epoch % (world * args.batch_size):
-        fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split into {world} GPUs x "
-             f"batch-size {args.batch_size}; change --prompts-per-epoch, --group-size or --batch-size")
-    local_images = images_per_epoch // world  # images sampled by this rank per epoch
+        fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split into "
+             f"{world} GPUs x batch-size {args.batch_size}; change --prompts-per-epoch, "
+             "--group-size or --batch-size")
+    local_images = images_per_epoch // world  # sampled by this rank per epoch
     num_batches = local_images // args.batch_size
-    if num_batches % args.updates_per_epoch:
-        fail(f"{num_batches} micro-batches per GPU per epoch do not split into --updates-per-epoch "
-             f"{args.updates_per_epoch}; change --updates-per-epoch or --batch-size")
-    num_train_steps = int(args.num_steps * args.timestep_fraction)
-    if num_train_steps < 1:
-        fail(f"--timestep-fraction {args.timestep_fraction} trains no step of --num-steps {args.num_steps}")
-    accum = num_batches // args.updates_per_epoch * num_train_steps  # micro-steps (batch, step) per optimizer step
     run_name = [f"{args.exp_name}__{args.seed}__{int(time.time())}"]
     if world > 1:
         dist.broadcast_object_list(run_name, src=0)
     run_dir = os.path.join(args.output_dir, run_name[0])
     parent = os.path.dirname(os.path.abspath(args.resume or "."))
     if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
-        run_dir = os.path.dirname(parent)  # a resumed run continues its checkpoint's run directory
-    if rank == 0:
-        print(f"{world} {'GPU(s)' if device.type == 'cuda' else 'process(es)'} x {num_batches} "
-              f"micro-batches x {args.batch_size} = {images_per_epoch} images/epoch "
-              f"({args.prompts_per_epoch} prompts x {args.group_size}); {args.updates_per_epoch} updates/epoch of "
-              f"{accum} micro-steps each; run dir {run_dir}")
+        run_dir = os.path.dirname(parent)  # a resumed run continues in its own directory
 
-    # ---- model: frozen base in bf16/fp16, LoRA in fp32 (same init on every rank), VAE in fp32 ----
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}[args.mixed_precision]
-    pipe = StableDiffusion3Pipeline.from_pretrained(args.model, dtype={"default": dtype, "vae": torch.float32}).to(device)
+    # ALGO LOGIC: from images to optimizer steps. The defaults on 8 GPUs: 48 prompts x 24 images
+    # = 1152 images, 144 per GPU, in 16 micro-batches of 9, each re-noised at int(10 x 0.99) = 9
+    # grid timesteps, a forward and backward each (a micro-step). 2 updates per epoch: a step
+    # every 8 micro-batches x 9 = 72 micro-steps (accum_steps), averaged, then over the 8 GPUs.
+    if num_batches % args.updates_per_epoch:
+        fail(f"{num_batches} micro-batches per GPU per epoch do not split into "
+             f"--updates-per-epoch {args.updates_per_epoch}; change --updates-per-epoch "
+             "or --batch-size")
+    num_train_steps = int(args.num_steps * args.timestep_fraction)
+    if num_train_steps < 1:
+        fail(f"--timestep-fraction {args.timestep_fraction} trains no step of "
+             f"--num-steps {args.num_steps}")
+    accum_steps = num_batches // args.updates_per_epoch * num_train_steps
+    if rank == 0:
+        devices = "GPU(s)" if device.type == "cuda" else "process(es)"
+        print(f"{world} {devices} x {num_batches} micro-batches x {args.batch_size} = "
+              f"{images_per_epoch} images/epoch ({args.prompts_per_epoch} prompts x "
+              f"{args.group_size}); {args.updates_per_epoch} updates/epoch of {accum_steps} "
+              f"micro-steps each; run dir {run_dir}")
+
+    # TRY NOT TO MODIFY: the model: frozen base in bf16/fp16, fp32 LoRA, alike on all ranks
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
+    dtype = dtypes[args.mixed_precision]
+    pipe = StableDiffusion3Pipeline.from_pretrained(
+        args.model, dtype={"default": dtype, "vae": torch.float32}).to(device)
     transformer = pipe.transformer
-    for module in (transformer, pipe.vae, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3):
-        if module is not None:
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
             module.requires_grad_(False)
     torch.manual_seed(args.seed)
-    transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, init_lora_weights="gaussian",
-                                       target_modules=LORA_TARGETS))
+    transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
+                                       init_lora_weights="gaussian", target_modules=LORA_TARGETS))
     lora_params = [p for p in transformer.parameters() if p.requires_grad]
     for p in lora_params:
         p.data = p.data.float()
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    optimizer = torch.optim.AdamW(lora_params, lr=args.learning_rate, weight_decay=args.weight_decay)
+    if args.compile:  # regional: the repeated blocks, each in place (benchmarks/RESULTS.md)
+        # graphs per block kind: rollout, training, the LoRA off, eval's batch sizes
+        torch._dynamo.config.recompile_limit = 64
+        for block in transformer.transformer_blocks:
+            block.compile(dynamic=False)
+    optimizer = torch.optim.AdamW(lora_params, lr=args.learning_rate,
+                                  weight_decay=args.weight_decay)
     scaler = torch.amp.GradScaler(device.type, enabled=args.mixed_precision == "fp16")
     ema_params = [p.detach().clone() for p in lora_params]
-    old_params = [p.detach().clone() for p in lora_params]  # the "old" LoRA: generates rollouts, anchors the loss
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    latent_shape = (transformer.config.in_channels, *[args.resolution // pipe.vae_scale_factor] * 2)
+    latent_size = args.resolution // pipe.vae_scale_factor
+    latent_shape = (transformer.config.in_channels, latent_size, latent_size)
+    neg = encode(pipe, [""], device, args.max_sequence_length)  # the CFG prompt, once
+
+    # ALGO LOGIC: the sigma grids, eval's CFG scale, the old policy's LoRA snapshot
     pipe.scheduler.set_timesteps(args.num_steps, device=device)
-    grid = pipe.scheduler.sigmas.float()  # (T+1,) SD3's rollout grid 1 ... 0 (upstream pipeline_with_logprob.py)
-    sigmas = grid[:-1]  # (T,) the training timesteps: the grid without its final 0, as upstream
+    grid = pipe.scheduler.sigmas.float()  # (T+1,) from 1 to 0, SD3's shifted schedule
+    train_sigmas = grid[:-1]  # (T,) at sigma 0 x_t is x0: nothing to learn there
     if rank == 0:
-        print(f"rollout grid sigma {[round(x, 4) for x in grid.tolist()]}; training timesteps: all but the final 0")
+        print(f"rollout grid sigma {[round(x, 4) for x in grid.tolist()]}; "
+              "training timesteps: all but the final 0")
     pipe.scheduler.set_timesteps(args.eval_num_steps, device=device)
     eval_sigmas = pipe.scheduler.sigmas.float()
-    with torch.no_grad():
-        neg = encode(pipe, [""], device, args.max_sequence_length)  # empty-prompt CFG embedding, computed once
+    eval_guidance_scale = args.guidance_scale
+    old_params = [p.detach().clone() for p in lora_params]  # the old policy: see old_decay
+    snapshots = {"old": old_params}  # it samples the rollouts and anchors nft_loss
+
+    # TRY NOT TO MODIFY: resume, logging, eval
     start_epoch, global_step = 0, 0
     if state is not None:
-        for p, saved in zip(lora_params + ema_params + old_params, state["lora"] + state["ema"] + state["extra"]["old"]):
+        for p, saved in zip(lora_params + ema_params, state["lora"] + state["ema"]):
             p.data.copy_(saved)
+        for name, copies in snapshots.items():
+            for p, saved in zip(copies, state["extra"][name]):
+                p.data.copy_(saved)
         optimizer.load_state_dict(state["optimizer"])
         start_epoch, global_step = state["next_epoch"], state["global_step"]
     if rank == 0:  # created only now: a run that fails earlier leaves no directory behind
         prepare_run_dir(run_dir, start_epoch)
     if args.track and rank == 0:
         import wandb
-        wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=os.path.basename(run_dir),
-                   config=vars(args), save_code=True)
+        wandb.init(project=args.wandb_project, entity=args.wandb_entity,
+                   name=os.path.basename(run_dir), config=vars(args), save_code=True)
 
     def log(metrics: dict, epoch: int):
         if rank == 0:
-            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps({"epoch": epoch, **metrics}) + "\n")
+            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as file:
+                file.write(json.dumps({"epoch": epoch, **metrics}) + "\n")
             if args.track:
                 wandb.log(metrics, step=epoch)
 
+    @torch.no_grad()
     def run_eval(epoch: int, prefix: str = "eval/") -> dict:
-        with swapped(lora_params, ema_params):  # with --ema-decay 0 the EMA equals the live weights
-            means, sheet = evaluate(pipe, args, test_prompts, test_meta, eval_reward_fn, eval_sigmas, neg, rank, world,
-                                   device, autocast, latent_shape)
-        if rank == 0:
+        """ODE-sample the test prompts with the EMA weights and score them: prompt i on rank
+        i % world, from noise seed i (the same images on any GPU count)."""
+        scores, sheet = [], {}
+        transformer.eval()  # as in sampling: a compiled block's graph depends on the mode
+        my_prompts = list(range(rank, len(test_prompts), world))
+        for start in range(0, len(my_prompts), args.eval_batch_size):
+            ids = my_prompts[start : start + args.eval_batch_size]
+            prompts = [test_prompts[i] for i in ids]
+            noise = torch.stack([torch.randn(latent_shape, device=device,
+                                             generator=seeded_generator(device, args.seed, i))
+                                 for i in ids])
+            embeds, pooled = encode(pipe, prompts, device, args.max_sequence_length)
+            with swapped(lora_params, ema_params):  # with --ema-decay 0 the EMA is the LoRA
+                _, _, _, final = rollout(transformer, noise, eval_sigmas, "ode", 0.0, embeds,
+                                         pooled, *neg, eval_guidance_scale, autocast, None)
+            images = decode(pipe.vae, final)
+            batch_scores, info = eval_reward_fn(images.cpu(), prompts, [test_meta[i] for i in ids])
+            columns = {"reward_mean": batch_scores, **info}
+            scores += [{name: float(values[j]) for name, values in columns.items()}
+                       for j in range(len(ids))]
+            pixels = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+            sheet.update({i: image for i, image in zip(ids, pixels) if i < args.eval_sheet_size})
+        if world > 1:
+            gathered = [None] * world
+            dist.all_gather_object(gathered, (scores, sheet))
+            scores = [score for rank_scores, _ in gathered for score in rank_scores]
+            sheet = {i: image for _, rank_sheet in gathered for i, image in rank_sheet.items()}
+        means = {name: float(np.mean([score[name] for score in scores])) for name in scores[0]}
+        if rank == 0:  # a contact sheet: a near-square grid, black cells end the last row
+            cells = [sheet[i] for i in sorted(sheet)]
+            cols = math.ceil(math.sqrt(len(cells)))
+            cells += [np.zeros_like(cells[0])] * (-len(cells) % cols)
+            rows = [np.concatenate(cells[i : i + cols], axis=1) for i in range(0, len(cells), cols)]
             path = os.path.join(run_dir, f"eval_{epoch:05d}.png")
-            contact_sheet(sheet, path)
-            print(f"eval after {epoch} epochs: {args.eval_reward or args.reward} = {means['reward_mean']:.4f}")
+            Image.fromarray(np.concatenate(rows, axis=0)).save(path)
+            reward_name = args.eval_reward or args.reward
+            print(f"eval after {epoch} epochs: {reward_name} = {means['reward_mean']:.4f}")
             if args.track:
                 wandb.log({"eval/sheet": wandb.Image(path)}, step=epoch)
-        return {prefix + k: v for k, v in means.items()}
+        return {prefix + name: value for name, value in means.items()}
 
     if args.eval_only:
         log(run_eval(start_epoch), start_epoch)
     executor = ThreadPoolExecutor(max_workers=1)  # scores batch i while batch i+1 is sampled
     for epoch in range(start_epoch, 0 if args.eval_only else args.epochs):
-        epoch_start = time.time()
+        epoch_start = clock(device)
         metrics = run_eval(epoch) if epoch % args.eval_every == 0 else {}
-
-        # ---- SAMPLING: identical prompt draw on every rank; each group's images spread over ranks ----
+        text_start = clock(device)
+        # the same prompts on every rank, distinct ones if there are enough
         prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
-        if len(train_prompts) >= args.prompts_per_epoch:
-            chosen = torch.randperm(len(train_prompts), generator=prompt_gen)[: args.prompts_per_epoch]
+        num_prompts, per_epoch = len(train_prompts), args.prompts_per_epoch
+        if num_prompts >= per_epoch:
+            chosen = torch.randperm(num_prompts, generator=prompt_gen)[:per_epoch]
         else:
-            chosen = torch.randint(len(train_prompts), (args.prompts_per_epoch,), generator=prompt_gen)
+            chosen = torch.randint(num_prompts, (per_epoch,), generator=prompt_gen)
+        # each prompt encoded once: row g is group g's, (P, L, 4096) and (P, 2048)
+        prompt_embeds, prompt_pooled = encode(pipe, [train_prompts[i] for i in chosen], device,
+                                              args.max_sequence_length)
+        sampling_start = clock(device)
+
+        # ALGO LOGIC: sampling. Every rank shuffles the epoch's images the same way and samples
+        # its own slice of them: each prompt's group is spread over the ranks.
         order = torch.randperm(images_per_epoch, generator=prompt_gen)
-        group_ids = torch.arange(args.prompts_per_epoch).repeat_interleave(args.group_size)[order]  # (P*G,) all ranks
-        my_groups = group_ids[rank * local_images : (rank + 1) * local_images].view(num_batches, args.batch_size)
+        group_ids = torch.arange(args.prompts_per_epoch).repeat_interleave(args.group_size)
+        group_ids = group_ids[order]  # (P*G,) the group (prompt) of every image
+        my_groups = group_ids.view(world, num_batches, args.batch_size)[rank]
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
         transformer.eval()
         batches, futures = [], []
-        with swapped(lora_params, old_params):  # rollouts come from the old policy
-            for b in tqdm(range(num_batches), desc=f"epoch {epoch} sampling", disable=quiet, leave=False):
-                idx = [int(chosen[g]) for g in my_groups[b]]
-                prompts, meta = [train_prompts[i] for i in idx], [train_meta[i] for i in idx]
-                with torch.no_grad():  # cond = (embeds, pooled, neg_embeds, neg_pooled)
-                    cond = (*encode(pipe, prompts, device, args.max_sequence_length), *neg)
-                noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen, device=device)
-                with autocast:
-                    x0 = dpm_sample(lambda x, sigma: predict_velocity(transformer, x, sigma, *cond,
-                                                                      args.guidance_scale), noise, grid)[:, -1]
-                futures.append(executor.submit(reward_fn, decode(pipe.vae, x0).cpu(), prompts, meta))
-                batches.append({"cond": cond, "x0": x0})
-        sampling_seconds = time.time() - epoch_start
+        progress = tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet, leave=False)
+        with swapped(lora_params, old_params):  # the old policy samples, deterministically
+            for batch_groups in progress:
+                prompt_ids = [int(chosen[group]) for group in batch_groups]
+                prompts = [train_prompts[i] for i in prompt_ids]
+                meta = [train_meta[i] for i in prompt_ids]
+                cond = (prompt_embeds[batch_groups], prompt_pooled[batch_groups], *neg)
+                noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen,
+                                    device=device)
+                with autocast:  # only the clean latents (B, C, h, w) are kept
+                    x0 = dpm_sample(lambda x, sigma: predict_velocity(
+                        transformer, x, sigma, *cond, args.guidance_scale), noise, grid)[:, -1]
+                images = decode(pipe.vae, x0).cpu()
+                futures.append(executor.submit(reward_fn, images, prompts, meta))
+                batches.append((cond, x0))
 
-        # ---- REWARD: wait for the scorer, gather every rank's rewards in rank order ----
-        results = [f.result() for f in futures]
-        local = {k: torch.cat([r[1][k] for r in results]) for k in results[0][1]}  # each (local_images,)
-        all_rewards = all_gather_cat(torch.cat([r[0] for r in results]).float().to(device), world).cpu()  # (P*G,)
-        all_components = {k: all_gather_cat(local[k].to(device), world).cpu() for k in reward_fn.weights}
-        extras = rank_mean({f"reward/{k}": v.mean().item() for k, v in local.items() if k not in reward_fn.weights},
-                           world, device)  # components without a weight, e.g. pickscore_raw
-        if reward_fn.group_transform is not None:  # groupwise rewards (pickscore_rank) see whole groups only here
+        # TRY NOT TO MODIFY: all ranks' rewards, in rank order, and the advantages
+        reward_start = clock(device)
+        scores, infos = zip(*[future.result() for future in futures])  # per micro-batch
+        info = {name: torch.cat([batch[name] for batch in infos]) for name in infos[0]}
+        all_rewards = all_gather_cat(torch.cat(scores).float().to(device), world).cpu()  # (P*G,)
+        all_components = {name: all_gather_cat(info[name].to(device), world).cpu()
+                          for name in reward_fn.weights}
+        extras = rank_mean({f"reward/{name}": values.mean().item()  # e.g. pickscore_raw
+                            for name, values in info.items() if name not in reward_fn.weights},
+                           world, device)
+        if reward_fn.group_transform is not None:  # groupwise rewards need whole groups
             all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
-
-        # ---- ADVANTAGE: per-prompt mean, global (or per-group) std ----
-        advantages = compute_advantages(all_rewards, all_components, reward_fn.weights, group_ids,
-                                        args.advantage_aggregation, args.per_group_std)
+        advantages = compute_advantages(all_rewards, all_components, reward_fn.weights,
+                                        group_ids, args.advantage_aggregation, args.per_group_std)
         check_finite(f"epoch {epoch}", run_dir, reward=all_rewards, advantage=advantages)
-        my_adv = advantages[rank * local_images : (rank + 1) * local_images].to(device).view(num_batches, -1)
-        group_std = torch.stack([all_rewards[group_ids == g].std(unbiased=False) for g in range(args.prompts_per_epoch)])
+        group_std = torch.stack([all_rewards[group_ids == group].std(unbiased=False)
+                                 for group in range(args.prompts_per_epoch)])
+        training_start = clock(device)
 
-        # ---- TRAINING: re-noise x0 at random grid timesteps; old, base and current velocities at the same x_t ----
+        # ALGO LOGIC: training. A micro-step re-noises a micro-batch's clean latents, each at a
+        # random grid timestep with fresh noise, and backpropagates nft_loss.
+        my_advantages = advantages.to(device).view(world, num_batches, args.batch_size)[rank]
         transformer.train()
-        train_gen = seeded_generator(device, args.seed, epoch, rank, 1)  # fresh training noise and timesteps
+        train_gen = seeded_generator(device, args.seed, epoch, rank, 1)  # not the rollouts'
         stats = {"policy_loss": [], "kl": [], "old_deviate": []}
-        first_old_deviate, micro = float("nan"), 0
-        for b, batch in enumerate(tqdm(batches, desc=f"epoch {epoch} training", disable=quiet, leave=False)):
-            x0 = batch["x0"]
-            order = torch.rand(len(x0), len(sigmas), generator=train_gen, device=device).argsort(dim=1)  # (B, T)
+        micro_step = 0
+        progress = tqdm(batches, f"epoch {epoch} training", disable=quiet, leave=False)
+        for (cond, x0), batch_advantages in zip(progress, my_advantages):
+            order = torch.rand(len(x0), len(train_sigmas), generator=train_gen, device=device)
+            order = order.argsort(dim=1)  # (B, T) each sample's own random order of the grid
             for j in range(num_train_steps):
-                t = sigmas[order[:, j]]  # (B,) each sample its own grid timestep
+                t = train_sigmas[order[:, j]]  # (B,)
                 noise = torch.randn(x0.shape, generator=train_gen, device=device)
                 xt = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * noise
                 with torch.no_grad(), swapped(lora_params, old_params), autocast:
-                    v_old = predict_velocity(transformer, xt, t, *batch["cond"], args.guidance_scale)
+                    v_old = predict_velocity(transformer, xt, t, *cond, args.guidance_scale)
                 with autocast:
-                    v = predict_velocity(transformer, xt, t, *batch["cond"], args.guidance_scale)
-                policy_loss = nft_loss(v, v_old, x0, xt, t, my_adv[b], args.beta, args.adv_clip)
-                kl = torch.zeros((), device=device)
+                    v = predict_velocity(transformer, xt, t, *cond, args.guidance_scale)
+                v_ref = None
                 if args.kl_beta > 0:
                     with torch.no_grad(), adapters_disabled(transformer), autocast:
-                        v_ref = predict_velocity(transformer, xt, t, *batch["cond"], args.guidance_scale)
-                    kl = ((v - v_ref) ** 2).mean(dim=(1, 2, 3)).mean()  # upstream: plain velocity MSE to the base
-                loss = policy_loss + args.kl_beta * kl
-                scaler.scale(loss / accum).backward()
-                old_deviate = ((v.detach() - v_old) ** 2).mean().item()
-                if micro == 0:  # with eta = 0 the old policy equals the current one here: this must be ~0
-                    first_old_deviate = old_deviate
+                        v_ref = predict_velocity(transformer, xt, t, *cond, args.guidance_scale)
+                loss, policy_loss, kl = nft_loss(v, v_old, v_ref, x0, xt, t, batch_advantages,
+                                                 args.beta, args.adv_clip, args.kl_beta,
+                                                 accum_steps)
+                scaler.scale(loss).backward()
                 stats["policy_loss"].append(policy_loss.item())
                 stats["kl"].append(kl.item())
-                stats["old_deviate"].append(old_deviate)
-                micro += 1
-                if micro % accum:
-                    continue
-                # one optimizer step: average LoRA grads over ranks in one flat all-reduce, clip, step, EMA
-                flat = torch.cat([p.grad.flatten() for p in lora_params])
-                if world > 1:
-                    dist.all_reduce(flat)
-                    flat /= world
-                for p, g in zip(lora_params, flat.split([p.numel() for p in lora_params])):
-                    p.grad.copy_(g.view_as(p))
-                scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(lora_params, args.max_grad_norm)
-                if not scaler.is_enabled():  # (fp16's scaler skips non-finite steps itself)
-                    check_finite(f"epoch {epoch}, step {global_step}", run_dir, loss=loss, gradient=grad_norm)
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                global_step += 1
-                decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))  # upstream EMA warm-up
-                for e, p in zip(ema_params, lora_params):  # (the EMA copies never require grad)
-                    e.mul_(decay).add_(p.detach(), alpha=1 - decay)
+                stats["old_deviate"].append(((v.detach() - v_old) ** 2).mean().item())
+                micro_step += 1
+                if micro_step % accum_steps == 0:
+                    grad_norm = optimizer_step(optimizer, scaler, lora_params,
+                                               args.max_grad_norm, world, loss,
+                                               f"epoch {epoch}, step {global_step}", run_dir)
+                    global_step += 1
+                    decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))  # warm-up
+                    for ema, p in zip(ema_params, lora_params):
+                        ema.mul_(decay).add_(p.detach(), alpha=1 - decay)
+        eta = old_decay(global_step, args.decay_type)  # old <- eta old + (1 - eta) current
+        for old, p in zip(old_params, lora_params):
+            old.mul_(eta).add_(p.detach(), alpha=1 - eta)
 
-        # ---- OLD POLICY: old <- eta old + (1 - eta) current, eta from the decay schedule in optimizer steps ----
-        eta = old_decay(global_step, args.decay_type)
-        for o, p in zip(old_params, lora_params):  # (the old copies never require grad)
-            o.mul_(eta).add_(p.detach(), alpha=1 - eta)
+        # ALGO LOGIC: this algorithm's metrics and its part of the summary line
+        losses = {f"losses/{name}": float(np.mean(values)) for name, values in stats.items()}
+        metrics.update(rank_mean(losses, world, device))
+        metrics["losses/first_old_deviate"] = stats["old_deviate"][0]  # 0 while eta is 0
+        metrics["charts/old_decay"] = eta
+        # A growing mean x0^2 is upstream's sign of drifting to bright images (DiffusionNFT #47)
+        metrics["charts/x0_norm"] = torch.stack([(x0**2).mean() for _, x0 in batches]).mean().item()
+        summary = (f"policy {metrics['losses/policy_loss']:.3e} kl {metrics['losses/kl']:.3e} | "
+                   f"old dev {metrics['losses/old_deviate']:.1e} eta {eta:.3f}")
 
-        # ---- LOGGING, CHECKPOINT ----
-        epoch_seconds = time.time() - epoch_start
-        metrics.update(rank_mean({f"losses/{k}": float(np.mean(v)) for k, v in stats.items()}, world, device))
-        metrics.update({"losses/first_old_deviate": first_old_deviate, "losses/grad_norm": float(grad_norm),
-                        "charts/old_decay": eta,
-                        "charts/x0_norm": torch.stack([(b["x0"] ** 2).mean() for b in batches]).mean().item(),
-                        "reward/mean": all_rewards.mean().item(), "reward/std": all_rewards.std(unbiased=False).item(),
-                        "reward/zero_std_group_frac": (group_std == 0).float().mean().item(),
-                        **{f"reward/{k}": v.mean().item() for k, v in all_components.items()}, **extras,
-                        "charts/global_step": global_step, "charts/learning_rate": args.learning_rate,
-                        "perf/images_per_sec": images_per_epoch / sampling_seconds,
-                        "perf/epoch_seconds": epoch_seconds, "perf/max_mem_gb": peak_memory_gb(device)})
+        # TRY NOT TO MODIFY: shared metrics, final eval, the summary line, checkpoints
+        epoch_end = clock(device)
+        epoch_seconds = epoch_end - epoch_start
+        eval_seconds = text_start - epoch_start
+        compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux: KiB
+        if device.type == "cuda":
+            max_mem_gb = torch.cuda.max_memory_allocated(device) / 1e9
+        metrics.update({
+            "losses/grad_norm": float(grad_norm),
+            "reward/mean": all_rewards.mean().item(),
+            "reward/std": all_rewards.std(unbiased=False).item(),
+            "reward/zero_std_group_frac": (group_std == 0).float().mean().item(),
+            **{f"reward/{name}": values.mean().item() for name, values in all_components.items()},
+            **extras,
+            "charts/global_step": global_step,
+            "charts/learning_rate": args.learning_rate,
+            "perf/images_per_sec": images_per_epoch / (epoch_seconds - eval_seconds),
+            "perf/epoch_seconds": epoch_seconds,
+            "perf/eval_seconds": eval_seconds,
+            "perf/text_encoding_seconds": sampling_start - text_start,
+            "perf/sampling_seconds": reward_start - sampling_start,
+            "perf/reward_seconds": training_start - reward_start,
+            "perf/training_seconds": epoch_end - training_start,
+            "perf/compiled_graphs": compiled_graphs,
+            "perf/max_mem_gb": max_mem_gb})
+        if args.compile and epoch == start_epoch and rank == 0:
+            print(f"torch.compile: {compiled_graphs} graphs, compiled in this first epoch "
+                  f"({epoch_seconds:.0f}s); later epochs reuse them")
         if epoch + 1 == args.epochs:
             metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
         log(metrics, epoch)
         if rank == 0 and (group_std == 0).all():  # warnings.warn shows this once per run
-            warnings.warn("an epoch where every group's rewards are all equal: zero advantages, nothing to learn")
+            warnings.warn("an epoch where every group's rewards are all equal: "
+                          "zero advantages, nothing to learn")
         if rank == 0:
-            print(f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± {metrics['reward/std']:.4f} | policy "
-                  f"{metrics['losses/policy_loss']:.3e} kl {metrics['losses/kl']:.3e} | old dev "
-                  f"{metrics['losses/old_deviate']:.1e} eta {eta:.3f} | {metrics['perf/images_per_sec']:.2f} img/s "
-                  f"| {epoch_seconds:.0f}s" + (f" | eval {metrics['eval/reward_mean']:.4f}" if "eval/reward_mean" in metrics else ""))
+            line = (f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± "
+                    f"{metrics['reward/std']:.4f} | {summary} | "
+                    f"{metrics['perf/images_per_sec']:.2f} img/s | {epoch_seconds:.0f}s")
+            if "eval/reward_mean" in metrics:
+                line += f" | eval {metrics['eval/reward_mean']:.4f}"
+            print(line)
         if (epoch + 1) % args.save_every == 0 or epoch + 1 == args.epochs:
             if rank == 0:
-                save_checkpoint(os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}"), transformer,
-                                lora_params, ema_params, optimizer, epoch + 1, global_step, args,
-                                extra={"old": [o.cpu() for o in old_params]})
+                path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
+                save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
+                                optimizer, epoch + 1, global_step, args)
             if world > 1:
                 dist.barrier()
     executor.shutdown()

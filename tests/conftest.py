@@ -1,16 +1,19 @@
-"""Shared fixtures: tiny random SD3 / FLUX pipelines, built once per session and loaded from disk like real ones."""
+"""Shared fixtures: tiny random SD3 / FLUX pipelines, built once per session and loaded from
+disk like real ones."""
 
 import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before anything imports huggingface_hub: tests never touch the hub
+# Before anything imports huggingface_hub: tests never touch the hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-# `from tiny import ...` (tests dir) and `import grpo_sd35` etc. (repo root) without a tests/__init__.py.
+# `from tiny import ...` (tests dir) and `import grpo_sd35` etc. (repo root), without a
+# tests/__init__.py.
 TESTS = Path(__file__).resolve().parent
-for p in (TESTS.parent, TESTS):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
+for folder in (TESTS.parent, TESTS):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 import pytest  # noqa: E402
 

@@ -1,4 +1,5 @@
-"""Helpers shared by the end-to-end script tests: launch a script (python or torchrun/gloo), read its outputs."""
+"""Helpers shared by the end-to-end script tests: launch a script (python or torchrun/gloo) and
+read its outputs."""
 
 import contextlib
 import io
@@ -18,77 +19,101 @@ from safetensors.torch import load_file
 REPO = Path(__file__).resolve().parent.parent
 TOY_REWARD = "tests/toy_rewards.py:brightness"
 PROMPTS = "tests/assets/ocr_prompts.txt"
-# The toy world (tests/toy_world.py): pretrained tiny pipelines, held-out counting prompts, a verifiable reward.
+# The toy world (tests/toy_world.py): pretrained tiny pipelines, held-out counting prompts, a
+# verifiable reward.
 TOY_SD3, TOY_FLUX = "tests/assets/toy-sd3", "tests/assets/toy-flux"
 TOY_TRAIN, TOY_TEST = "tests/assets/toy_train.txt", "tests/assets/toy_test.txt"
 COUNTING = "tests/toy_rewards.py:counting"
 
 
 def tiny_sd35_flags(model: str, out, precision: str = "no") -> list[str]:
-    """Flags shared by the SD3.5 scripts for a seconds-long CPU run on the tiny pipeline (fp32: bf16 matmuls are
-    several times slower on CPU; the default bf16 path gets its own run in each script's test)."""
-    return ["--model", str(model), "--output-dir", str(out), "--train-prompts", PROMPTS, "--test-prompts", PROMPTS,
-            "--reward", TOY_REWARD, "--resolution", "32", "--num-steps", "4", "--eval-num-steps", "3",
-            "--group-size", "4", "--prompts-per-epoch", "2", "--batch-size", "4", "--eval-batch-size", "2",
-            "--eval-every", "1", "--save-every", "1", "--max-sequence-length", "16", "--mixed-precision", precision]
+    """Flags shared by the SD3.5 scripts for a seconds-long CPU run on the tiny pipeline.
+
+    fp32 by default: bf16 matmuls are several times slower on CPU; the default bf16 path gets a
+    run of its own in each script's test.
+    """
+    return ["--model", str(model), "--output-dir", str(out),
+            "--train-prompts", PROMPTS, "--test-prompts", PROMPTS, "--reward", TOY_REWARD,
+            "--resolution", "32", "--num-steps", "4", "--eval-num-steps", "3",
+            "--group-size", "4", "--prompts-per-epoch", "2",
+            "--batch-size", "4", "--eval-batch-size", "2",
+            "--eval-every", "1", "--save-every", "1",
+            "--max-sequence-length", "16", "--mixed-precision", precision]
 
 
-def _env() -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+def script_env() -> dict:
+    """The environment of a launched script: offline, no wandb, one thread, the repo importable,
+    and no RANK left over from a launcher around pytest."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="disabled", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(REPO))
     env.pop("RANK", None)
     return env
 
 
 def run_script(script: str, flags: list[str], nproc: int = 1, check: bool = True):
-    """Run a training script to completion; returns its run directory (the only one under --output-dir), or with
-    check=False the finished process."""
+    """Run a training script to completion; returns its run directory (the only one under
+    --output-dir), or with check=False the finished process."""
     if nproc == 1:
-        cmd = [sys.executable, script]
+        command = [sys.executable, script]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script]
-    proc = subprocess.run(cmd + flags, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc_per_node", str(nproc), script]
+    process = subprocess.run(command + flags, cwd=REPO, env=script_env(), capture_output=True,
+                             text=True, timeout=900)
     if not check:
-        return proc
-    assert proc.returncode == 0, f"{' '.join(cmd + flags)}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
+        return process
+    assert process.returncode == 0, (f"{' '.join(command + flags)}\n"
+                                     f"STDOUT:\n{process.stdout[-4000:]}\n"
+                                     f"STDERR:\n{process.stderr[-6000:]}")
     out = Path(flags[flags.index("--output-dir") + 1])
-    runs = [p for p in out.iterdir() if p.is_dir()]
+    runs = [path for path in out.iterdir() if path.is_dir()]
     assert len(runs) == 1, runs
     return runs[0]
 
 
-def assert_bad_input(script: str, flags: list[str], message: str, env: dict | None = None, in_process: bool = True):
-    """The script exits non-zero with a one-line `error: ...` naming the problem, loads no model, and leaves no run
-    directory. in_process=False runs the real command line (a fresh interpreter: ~15 s of imports per case, so each
-    script's tests keep one such case); in_process=True runs the script's __main__ here with its imports already
-    loaded, every from_pretrained (diffusers pipelines and models, transformers models) raising instead of loading."""
+def assert_bad_input(script: str, flags: list[str], message: str, env: dict | None = None,
+                     in_process: bool = True):
+    """The script exits non-zero with a one-line `error: ...` naming the problem, loads no
+    model, and leaves no run directory.
+
+    in_process=False runs the real command line (a fresh interpreter: ~15 s of imports per
+    case, so each script's tests keep one such case). in_process=True runs the script's
+    __main__ here, its imports already loaded, with every from_pretrained (diffusers pipelines
+    and models, transformers models) raising instead of loading.
+    """
     if in_process:
         stderr = io.StringIO()
         try:
-            with _script_context(env), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
+            with (script_context(env), contextlib.redirect_stdout(io.StringIO()),
+                  contextlib.redirect_stderr(stderr)):
                 sys.argv = [script] + flags
                 runpy.run_path(str(REPO / script), run_name="__main__")
-        except SystemExit as e:
-            last = e.code
+        except SystemExit as exit_:
+            last = exit_.code
         else:
             raise AssertionError(f"{script} {flags} did not exit\n{stderr.getvalue()[-3000:]}")
-        assert isinstance(last, str) and "\n" not in last, (last, stderr.getvalue()[-3000:])  # str: exit status 1
+        # a string exit code is printed to stderr with exit status 1
+        assert isinstance(last, str) and "\n" not in last, (last, stderr.getvalue()[-3000:])
     else:
-        proc = subprocess.run([sys.executable, script] + flags, cwd=REPO, env={**_env(), **(env or {})},
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode != 0
-        last = proc.stderr.strip().splitlines()[-1]
+        process = subprocess.run([sys.executable, script] + flags, cwd=REPO,
+                                 env={**script_env(), **(env or {})}, capture_output=True,
+                                 text=True, timeout=300)
+        assert process.returncode != 0
+        last = process.stderr.strip().splitlines()[-1]
     assert last.startswith("error:") and message in last, last
     out = Path(flags[flags.index("--output-dir") + 1])
     assert not out.exists() or not any(out.iterdir()), list(out.iterdir())
 
 
 class ModelLoaded(Exception):
-    """Raised by from_pretrained inside assert_bad_input(in_process=True): the input was accepted up to the model."""
+    """Raised by from_pretrained inside assert_bad_input(in_process=True): the input was
+    accepted up to the model."""
 
 
 @contextlib.contextmanager
-def _script_context(env: dict | None):
-    """What a fresh `python script.py` would see (cwd, environment, argv), with loading a model an error."""
+def script_context(env: dict | None):
+    """What a fresh `python script.py` would see (cwd, environment, argv), with loading a
+    model an error."""
     from diffusers import DiffusionPipeline, ModelMixin
     from transformers import PreTrainedModel
 
@@ -99,7 +124,8 @@ def _script_context(env: dict | None):
     with contextlib.ExitStack() as stack:
         for cls in (DiffusionPipeline, ModelMixin, PreTrainedModel):
             stack.enter_context(mock.patch.object(cls, "from_pretrained", side_effect=loaded))
-        stack.enter_context(mock.patch.dict(os.environ, {**_env(), **(env or {})}, clear=True))
+        environment = {**script_env(), **(env or {})}
+        stack.enter_context(mock.patch.dict(os.environ, environment, clear=True))
         os.chdir(REPO)
         try:
             yield
@@ -109,54 +135,72 @@ def _script_context(env: dict | None):
 
 
 def cut_back_copy(run_dir: Path, out: Path, epoch: int = 1) -> Path:
-    """A copy of a finished run under `out` with the checkpoints after `epoch` removed (its metrics.jsonl keeps the
-    later epochs, which a resume must drop): resuming its epoch checkpoint must continue this copy and redo the
-    original's later epochs exactly. Saves each resume test a run of its own to stop at `epoch`."""
+    """A copy of a finished run under `out` without the checkpoints after `epoch`.
+
+    Its metrics.jsonl keeps the later epochs, which a resume must drop: resuming its epoch
+    checkpoint must continue this copy and redo the original's later epochs exactly. Saves
+    each resume test a run of its own to stop at `epoch`.
+    """
     copy = out / run_dir.name
     shutil.copytree(run_dir, copy)
-    for ckpt in (copy / "checkpoints").iterdir():
-        if int(ckpt.name.split("_")[1]) > epoch:
-            shutil.rmtree(ckpt)
+    for checkpoint in (copy / "checkpoints").iterdir():
+        if int(checkpoint.name.split("_")[1]) > epoch:
+            shutil.rmtree(checkpoint)
     return copy
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
 
 
 def assert_reward_rose(metrics: list[dict], window: int):
-    """The mean reward of the last `window` epochs beats the first `window` by twice the first epoch's spread (the
-    tiny model's images differ little, so its rewards do too)."""
-    rewards = [m["reward/mean"] for m in metrics]
-    assert sum(rewards[-window:]) / window > sum(rewards[:window]) / window + 2 * metrics[0]["reward/std"], rewards
+    """The mean reward of the last `window` epochs beats the first `window` by twice the first
+    epoch's spread (the tiny model's images differ little, so its rewards do too)."""
+    rewards = [epoch["reward/mean"] for epoch in metrics]
+    first, last = sum(rewards[:window]) / window, sum(rewards[-window:]) / window
+    assert last > first + 2 * metrics[0]["reward/std"], rewards
 
 
 def toy_flags(model: str, out, steps: int = 10) -> list[str]:
-    """Flags shared by all five scripts for a toy-world run: train on the 18 training prompts with partial-credit
-    counting (denser than exact: a group of all-wrong 3-object images still ranks), eval exact accuracy (ODE, 10 steps)
-    on the 96 held-out lines; 32 px, the 24 T5 tokens the toy models were trained with; a rank-8 LoRA at scale 1,
-    96 images per epoch (6 prompts x 16), no KL and no EMA (eval scores the trained weights themselves)."""
-    return ["--model", model, "--output-dir", str(out), "--train-prompts", TOY_TRAIN, "--test-prompts", TOY_TEST,
-            "--reward", COUNTING + "_partial", "--eval-reward", COUNTING, "--resolution", "32",
-            "--max-sequence-length", "24", "--mixed-precision", "no", "--num-steps", str(steps), "--eval-num-steps",
-            "10", "--eval-batch-size", "48", "--group-size", "16", "--prompts-per-epoch", "6", "--lora-rank", "8",
-            "--lora-alpha", "8", "--kl-beta", "0", "--ema-decay", "0", "--eval-every", "1000", "--save-every", "1000"]
+    """Flags shared by all five scripts for a toy-world run.
+
+    Train on the 18 training prompts with partial-credit counting (denser than exact: a group
+    of all-wrong 3-object images still ranks), eval exact accuracy (ODE, 10 steps) on the 96
+    held-out lines; 32 px, the 24 T5 tokens the toy models were trained with; a rank-8 LoRA at
+    scale 1, 96 images per epoch (6 prompts x 16), no KL and no EMA (eval scores the trained
+    weights themselves).
+    """
+    return ["--model", model, "--output-dir", str(out),
+            "--train-prompts", TOY_TRAIN, "--test-prompts", TOY_TEST,
+            "--reward", COUNTING + "_partial", "--eval-reward", COUNTING,
+            "--resolution", "32", "--max-sequence-length", "24", "--mixed-precision", "no",
+            "--num-steps", str(steps), "--eval-num-steps", "10", "--eval-batch-size", "48",
+            "--group-size", "16", "--prompts-per-epoch", "6",
+            "--lora-rank", "8", "--lora-alpha", "8", "--kl-beta", "0", "--ema-decay", "0",
+            "--eval-every", "1000", "--save-every", "1000"]
 
 
 def assert_accuracy_rose(metrics: list[dict], min_gain: float):
-    """Held-out exact accuracy after training beats the base model's by min_gain. Eval is a deterministic ODE from
-    noise fixed per test line, so a run that changes nothing gains exactly 0; set min_gain from measured seed
-    noise."""
-    gain = metrics[-1]["eval/final_reward_mean"] - metrics[0]["eval/reward_mean"]
-    assert gain >= min_gain, (metrics[0]["eval/reward_mean"], metrics[-1]["eval/final_reward_mean"])
+    """Held-out exact accuracy after training beats the base model's by min_gain.
+
+    Eval is a deterministic ODE from noise fixed per test line, so a run that changes nothing
+    gains exactly 0; set min_gain from measured seed noise.
+    """
+    before, after = metrics[0]["eval/reward_mean"], metrics[-1]["eval/final_reward_mean"]
+    assert after - before >= min_gain, (before, after)
 
 
 def assert_eval_only_reproduces(run_dir: Path, trained_run: Path, epoch: int = 2):
-    """An --eval-only run of trained_run's epoch checkpoint logs one finite eval and its sheet, saves nothing, and, eval
-    being deterministic (fixed seed per prompt), reproduces the training run's final eval of the same weights."""
-    (metrics,) = read_metrics(run_dir)
+    """An --eval-only run of trained_run's epoch checkpoint logs one finite eval and its sheet
+    and saves nothing; eval being deterministic (a fixed seed per prompt), it reproduces the
+    training run's final eval of the same weights."""
+    all_metrics = read_metrics(run_dir)
+    assert len(all_metrics) == 1, all_metrics
+    metrics = all_metrics[0]
     assert metrics["epoch"] == epoch and math.isfinite(metrics["eval/reward_mean"])
-    assert (run_dir / f"eval_{epoch:05d}.png").is_file() and not (run_dir / "checkpoints").exists()
+    assert (run_dir / f"eval_{epoch:05d}.png").is_file()
+    assert not (run_dir / "checkpoints").exists()
     final = read_metrics(trained_run)[-1]["eval/final_reward_mean"]
     assert abs(metrics["eval/reward_mean"] - final) <= 1e-6, (metrics["eval/reward_mean"], final)
 
@@ -165,22 +209,39 @@ def lora_tensors(checkpoint: Path) -> list[torch.Tensor]:
     return torch.load(checkpoint / "state.pt", map_location="cpu")["lora"]
 
 
+PHASES = ["eval", "text_encoding", "sampling", "reward", "training"]
+
+
+def assert_phases_add_up(metrics: dict):
+    """The per-phase seconds (perf/*) are logged, do not overlap and account for the epoch."""
+    phases = [metrics[f"perf/{name}_seconds"] for name in PHASES]
+    assert all(seconds >= 0 for seconds in phases), phases
+    epoch = metrics["perf/epoch_seconds"]
+    assert abs(sum(phases) - epoch) <= 0.1 * epoch + 0.5, (phases, epoch)
+    assert metrics["perf/images_per_sec"] > 0 and metrics["perf/max_mem_gb"] > 0
+
+
 def assert_common_run(run_dir: Path, epochs: int) -> list[dict]:
-    """What every training script must leave behind after `epochs` epochs with --eval-every 1 --save-every 1."""
+    """What every training script must leave behind after `epochs` epochs with --eval-every 1
+    --save-every 1."""
     metrics = read_metrics(run_dir)
-    assert [m["epoch"] for m in metrics] == list(range(epochs))
-    for m in metrics:
-        for key, value in m.items():
+    assert [epoch["epoch"] for epoch in metrics] == list(range(epochs))
+    for epoch in metrics:
+        for key, value in epoch.items():
             if key.startswith("losses/") and key != "losses/on_policy_ratio_dev":
                 assert math.isfinite(value), (key, value)
-        assert math.isfinite(m["reward/mean"])
-    assert (run_dir / "eval_00000.png").is_file() and (run_dir / f"eval_{epochs:05d}.png").is_file()
+        assert math.isfinite(epoch["reward/mean"])
+        assert_phases_add_up(epoch)
+    assert (run_dir / "eval_00000.png").is_file()
+    assert (run_dir / f"eval_{epochs:05d}.png").is_file()
     last = run_dir / "checkpoints" / f"epoch_{epochs:05d}"
     assert (last / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert (last / "ema_lora" / "pytorch_lora_weights.safetensors").is_file()
-    assert not any(p.name.startswith(".") for p in (run_dir / "checkpoints").iterdir())
+    assert not any(path.name.startswith(".") for path in (run_dir / "checkpoints").iterdir())
     state = torch.load(last / "state.pt", map_location="cpu")
     assert state["next_epoch"] == epochs
-    lora_b = [t for k, t in load_file(last / "lora" / "pytorch_lora_weights.safetensors").items() if "lora_B" in k]
-    assert lora_b and any(t.abs().sum() > 0 for t in lora_b)  # LoRA B starts at zero: nonzero means it trained
+    lora = load_file(last / "lora" / "pytorch_lora_weights.safetensors")
+    lora_b = [tensor for name, tensor in lora.items() if "lora_B" in name]
+    # LoRA B starts at zero: nonzero means it trained
+    assert lora_b and any(tensor.abs().sum() > 0 for tensor in lora_b)
     return metrics

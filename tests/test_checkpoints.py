@@ -1,5 +1,7 @@
-"""Issue 14: a checkpoint is the model that was trained, and a mistake is caught before the model loads."""
+"""Issue 14: a checkpoint is the model that was trained, and a mistake is caught before the
+model loads."""
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -9,31 +11,37 @@ from peft import LoraConfig
 
 import dance_grpo_flux
 import grpo_sd35
-from scripts_harness import (PROMPTS, REPO, TOY_REWARD, ModelLoaded, assert_bad_input, cut_back_copy, read_metrics,
-                             run_script, tiny_sd35_flags)
+from scripts_harness import (PROMPTS, REPO, TOY_REWARD, ModelLoaded, assert_bad_input,
+                             cut_back_copy, read_metrics, run_script, tiny_sd35_flags)
 
-LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--ema-decay", "0.5", "--learning-rate", "1e-2"]  # scale 2; EMA != LoRA
+# LoRA scale alpha / rank = 2, and an EMA that differs from the LoRA
+LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--ema-decay", "0.5", "--learning-rate", "1e-2"]
+SD35_SCRIPTS = ["grpo_sd35.py", "nft_sd35.py", "awm_sd35.py", "crd_sd35.py"]
 
 
 def tiny_flux_flags(model, out) -> list[str]:
-    return ["--model", str(model), "--output-dir", str(out), "--train-prompts", PROMPTS, "--test-prompts", PROMPTS,
-            "--reward", TOY_REWARD, "--resolution", "32", "--num-steps", "4", "--eval-num-steps", "3",
-            "--group-size", "4", "--prompts-per-epoch", "2", "--batch-size", "4", "--eval-batch-size", "2",
-            "--eval-every", "1", "--save-every", "1", "--max-sequence-length", "16", "--mixed-precision", "no"]
+    return ["--model", str(model), "--output-dir", str(out),
+            "--train-prompts", PROMPTS, "--test-prompts", PROMPTS, "--reward", TOY_REWARD,
+            "--resolution", "32", "--num-steps", "4", "--eval-num-steps", "3",
+            "--group-size", "4", "--prompts-per-epoch", "2",
+            "--batch-size", "4", "--eval-batch-size", "2",
+            "--eval-every", "1", "--save-every", "1",
+            "--max-sequence-length", "16", "--mixed-precision", "no"]
 
 
 def velocity(module, transformer, flux: bool) -> torch.Tensor:
-    """The transformer's velocity on a fixed random input, through the script's own predict_velocity."""
-    gen, cfg = torch.Generator().manual_seed(0), transformer.config
-    embeds = torch.randn(2, 5, cfg.joint_attention_dim, generator=gen)
-    pooled = torch.randn(2, cfg.pooled_projection_dim, generator=gen)
+    """The transformer's velocity on a fixed random input, through the script's own
+    predict_velocity."""
+    generator, config = torch.Generator().manual_seed(0), transformer.config
+    embeds = torch.randn(2, 5, config.joint_attention_dim, generator=generator)
+    pooled = torch.randn(2, config.pooled_projection_dim, generator=generator)
     with torch.no_grad():
-        if flux:
-            x = torch.randn(2, 16, cfg.in_channels, generator=gen)  # 4x4 packed latent tokens
-            return module.predict_velocity(transformer, x, 0.6, embeds, pooled, torch.zeros(5, 3),
-                                           module.image_ids(4, 4, "cpu"), 3.5)
-        x = torch.randn(2, cfg.in_channels, 8, 8, generator=gen)
-        return module.predict_velocity(transformer, x, 0.6, embeds, pooled, None, None, 1.0)
+        if flux:  # 4x4 packed latent tokens
+            latents = torch.randn(2, 16, config.in_channels, generator=generator)
+            return module.predict_velocity(transformer, latents, 0.6, embeds, pooled,
+                                           torch.zeros(5, 3), module.image_ids(4, 4, "cpu"), 3.5)
+        latents = torch.randn(2, config.in_channels, 8, 8, generator=generator)
+        return module.predict_velocity(transformer, latents, 0.6, embeds, pooled, None, None, 1.0)
 
 
 GRPO_LORA = LORA + ["--ema-interval", "0", "--epochs", "2"]
@@ -41,73 +49,96 @@ GRPO_LORA = LORA + ["--ema-interval", "0", "--epochs", "2"]
 
 @pytest.fixture(scope="module")
 def grpo_lora_run(tiny_sd3, tmp_path_factory) -> Path:
-    """2 epochs of GRPO at alpha / rank = 2 with an EMA that moves every optimizer step (ema_lora != initial LoRA)."""
-    return run_script("grpo_sd35.py", tiny_sd35_flags(tiny_sd3, tmp_path_factory.mktemp("grpo")) + GRPO_LORA)
+    """2 epochs of GRPO at alpha / rank = 2 with an EMA that moves every optimizer step
+    (ema_lora != initial LoRA)."""
+    out = tmp_path_factory.mktemp("grpo")
+    return run_script("grpo_sd35.py", tiny_sd35_flags(tiny_sd3, out) + GRPO_LORA)
 
 
 @pytest.mark.parametrize("flux", [False, True], ids=["grpo_sd35", "dance_grpo_flux"])
 def test_saved_loras_load_as_trained(tiny_sd3, tiny_flux, tmp_path, flux, request):
-    """`Pipeline.load_lora_weights(dir)` (README's one call) of lora/ and ema_lora/ gives the training process's
-    transformer (its LoRA, or its EMA swapped in) exactly, at the trained alpha / rank = 2 (not 1)."""
-    module, pipeline, model = (dance_grpo_flux, FluxPipeline, tiny_flux) if flux else (grpo_sd35,
-                                                                                       StableDiffusion3Pipeline, tiny_sd3)
-    run = (run_script(module.__file__, tiny_flux_flags(model, tmp_path) + LORA + ["--epochs", "2"]) if flux
-           else request.getfixturevalue("grpo_lora_run"))
-    ckpt = run / "checkpoints" / "epoch_00002"
-    state = torch.load(ckpt / "state.pt", map_location="cpu")
-    assert not all(torch.equal(a, b) for a, b in zip(state["lora"], state["ema"]))
-    trained = pipeline.from_pretrained(model).transformer  # the training process: add_adapter, then its weights
-    trained.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules=module.LORA_TARGETS))
-    params = [p for p in trained.parameters() if p.requires_grad]
-    for name in ("lora", "ema"):
-        for p, saved in zip(params, state[name]):
-            p.data.copy_(saved)
+    """`Pipeline.load_lora_weights(dir)` (README's one call) of lora/ and ema_lora/ gives the
+    training process's transformer (its LoRA, or its EMA swapped in) exactly, at the trained
+    alpha / rank = 2 (not 1)."""
+    if flux:
+        module, pipeline, model = dance_grpo_flux, FluxPipeline, tiny_flux
+        flags = tiny_flux_flags(model, tmp_path) + LORA + ["--epochs", "2"]
+        run = run_script(module.__file__, flags)
+    else:
+        module, pipeline, model = grpo_sd35, StableDiffusion3Pipeline, tiny_sd3
+        run = request.getfixturevalue("grpo_lora_run")
+    checkpoint = run / "checkpoints" / "epoch_00002"
+    state = torch.load(checkpoint / "state.pt", map_location="cpu")
+    assert not all(torch.equal(lora, ema) for lora, ema in zip(state["lora"], state["ema"]))
+    # the training process: add_adapter, then its weights
+    trained = pipeline.from_pretrained(model).transformer
+    trained.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian",
+                                   target_modules=module.LORA_TARGETS))
+    params = [param for param in trained.parameters() if param.requires_grad]
+    untrained = velocity(module, pipeline.from_pretrained(model).transformer, flux)
+    for name, folder in (("lora", "lora"), ("ema", "ema_lora")):
+        for param, saved in zip(params, state[name]):
+            param.data.copy_(saved)
         want = velocity(module, trained, flux)
         pipe = pipeline.from_pretrained(model)
-        pipe.load_lora_weights(ckpt / ("lora" if name == "lora" else "ema_lora"))
-        scalings = {s for m in pipe.transformer.modules() if hasattr(m, "scaling") for s in m.scaling.values()}
+        pipe.load_lora_weights(checkpoint / folder)
+        scalings = {scaling for layer in pipe.transformer.modules() if hasattr(layer, "scaling")
+                    for scaling in layer.scaling.values()}
         assert scalings == {2.0}
         got = velocity(module, pipe.transformer, flux)
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (name, (got - want).abs().max())
-        assert (got - velocity(module, pipeline.from_pretrained(model).transformer, flux)).abs().max() > 1e-4  # trained
+        assert (got - untrained).abs().max() > 1e-4  # it trained
 
 
 BAD = [
-    (["--save-every", "0"], "--save-every must be >= 1"), (["--eval-every", "0"], "--eval-every must be >= 1"),
-    (["--updates-per-epoch", "0"], "--updates-per-epoch must be >= 1"), (["--batch-size", "0"], "--batch-size must"),
-    (["--eval-batch-size", "0"], "--eval-batch-size must"), (["--learning-rate", "-1e-3"], "--learning-rate must"),
-    (["--epochs", "0"], "--epochs must be >= 1"), (["--resolution", "34"], "--resolution 34 is not a multiple of 4"),
+    (["--save-every", "0"], "--save-every must be >= 1"),
+    (["--eval-every", "0"], "--eval-every must be >= 1"),
+    (["--updates-per-epoch", "0"], "--updates-per-epoch must be >= 1"),
+    (["--batch-size", "0"], "--batch-size must"),
+    (["--eval-batch-size", "0"], "--eval-batch-size must"),
+    (["--learning-rate", "-1e-3"], "--learning-rate must"),
+    (["--epochs", "0"], "--epochs must be >= 1"),
+    (["--resolution", "34"], "--resolution 34 is not a multiple of 4"),
     (["--model", "/nonexistent/model"], "neither an existing local path"),
     (["--resume", "/tmp"], "not a checkpoint directory"),
 ]
 
 
 def configs_only(tiny_sd3, tmp_path) -> Path:
-    """A model dir with only the vae/ and transformer/ config files: nothing could load from it."""
+    """A model dir with only the vae/ and transformer/ config files: nothing could load."""
     model = tmp_path / "configs-only"
-    for sub in ("vae", "transformer"):
-        (model / sub).mkdir(parents=True)
-        (model / sub / "config.json").write_text((Path(tiny_sd3) / sub / "config.json").read_text())
+    for subfolder in ("vae", "transformer"):
+        (model / subfolder).mkdir(parents=True)
+        config = (Path(tiny_sd3) / subfolder / "config.json").read_text()
+        (model / subfolder / "config.json").write_text(config)
     return model
 
 
-@pytest.mark.parametrize("script", ["grpo_sd35.py", "nft_sd35.py", "awm_sd35.py", "crd_sd35.py"])
-@pytest.mark.parametrize("extra,message", BAD, ids=[m for _, m in BAD])
+@pytest.mark.parametrize("script", SD35_SCRIPTS)
+@pytest.mark.parametrize("extra,message", BAD, ids=[message for _, message in BAD])
 def test_bad_input_fails_before_the_model_loads(tiny_sd3, tmp_path, script, extra, message):
-    """One line, no run directory, no from_pretrained call (and a configs-only model dir). The first case goes through
-    the real command line of nft/awm/crd (grpo's: the wandb case below); the rest run in this process."""
-    if f"    {extra[0][2:].replace('-', '_')}:" not in (REPO / script).read_text():
+    """One line, no run directory, no from_pretrained call (and a configs-only model dir). The
+    first case goes through the real command line of nft/awm/crd (grpo's: the wandb case
+    below); the rest run in this process."""
+    field = extra[0][2:].replace("-", "_")
+    if f"    {field}:" not in (REPO / script).read_text():
         pytest.skip(f"{script} has no {extra[0]}")  # awm_sd35.py: one update per epoch
-    assert_bad_input(script, tiny_sd35_flags(configs_only(tiny_sd3, tmp_path), tmp_path / "out") + extra, message,
-                     in_process=extra != BAD[0][0] or script == "grpo_sd35.py")
+    flags = tiny_sd35_flags(configs_only(tiny_sd3, tmp_path), tmp_path / "out") + extra
+    in_process = extra != BAD[0][0] or script == "grpo_sd35.py"
+    assert_bad_input(script, flags, message, in_process=in_process)
 
 
-@pytest.mark.parametrize("script", ["grpo_sd35.py", "nft_sd35.py", "awm_sd35.py", "crd_sd35.py", "dance_grpo_flux.py"])
-def test_in_process_bad_input_check_stops_at_the_model_load(tiny_sd3, tiny_flux, tmp_path, script):
-    """What makes assert_bad_input(in_process=True) mean "before the model loads": good input reaches the script's
-    from_pretrained, which raises there instead of loading."""
-    flags = (tiny_flux_flags(tiny_flux, tmp_path) if script.startswith("dance") else tiny_sd35_flags(tiny_sd3, tmp_path)
-             + ["--train-batch-size", "2"] * (script == "awm_sd35.py"))  # (awm: 8 images / default 3 do not split)
+@pytest.mark.parametrize("script", SD35_SCRIPTS + ["dance_grpo_flux.py"])
+def test_in_process_bad_input_check_stops_at_the_model_load(tiny_sd3, tiny_flux, tmp_path,
+                                                            script):
+    """What makes assert_bad_input(in_process=True) mean "before the model loads": good input
+    reaches the script's from_pretrained, which raises there instead of loading."""
+    if script.startswith("dance"):
+        flags = tiny_flux_flags(tiny_flux, tmp_path)
+    else:
+        flags = tiny_sd35_flags(tiny_sd3, tmp_path)
+    if script == "awm_sd35.py":  # 8 images do not split into the default 3 per train batch
+        flags += ["--train-batch-size", "2"]
     with pytest.raises(ModelLoaded):
         assert_bad_input(script, flags, "never reached")
 
@@ -117,74 +148,96 @@ def test_bad_reward_file_and_wandb_login_fail_before_the_model_loads(tiny_sd3, t
     broken = tmp_path / "broken.py"
     broken.write_text("def reward(images, prompts, metadata:\n")
     assert_bad_input("grpo_sd35.py", flags + ["--reward", f"{broken}:reward"], str(broken))
-    (tmp_path / "ok.py").write_text("def other(images, prompts, metadata):\n    return images.mean((1, 2, 3)), {}\n")
-    assert_bad_input("grpo_sd35.py", flags + ["--reward", f"{tmp_path / 'ok.py'}:reward"], "has no function 'reward'")
-    assert_bad_input("grpo_sd35.py", flags + ["--track"], "--track needs a wandb login", in_process=False,
-                     env={"WANDB_MODE": "online", "HOME": str(tmp_path), "WANDB_API_KEY": "", "NETRC": str(tmp_path / "n")})
-    assert_bad_input("dance_grpo_flux.py", flags + ["--resolution", "36"], "not a multiple of 8 (VAE downsampling x 2x2")
+    other = tmp_path / "ok.py"
+    other.write_text("def other(images, prompts, metadata):\n"
+                     "    return images.mean((1, 2, 3)), {}\n")
+    assert_bad_input("grpo_sd35.py", flags + ["--reward", f"{other}:reward"],
+                     "has no function 'reward'")
+    no_login = {"WANDB_MODE": "online", "HOME": str(tmp_path), "WANDB_API_KEY": "",
+                "NETRC": str(tmp_path / "n")}
+    assert_bad_input("grpo_sd35.py", flags + ["--track"], "--track needs a wandb login",
+                     in_process=False, env=no_login)
+    assert_bad_input("dance_grpo_flux.py", flags + ["--resolution", "36"],
+                     "not a multiple of 8 (VAE downsampling x 2x2")
 
 
 def test_unreachable_reward_server_fails_fast_before_the_model_loads(tiny_sd3, tmp_path):
-    """Connection refused (nothing listens on a port we just freed): the build-time probe's one line naming the URL
-    (not the training-time client's retries), and no model loaded."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """Connection refused (nothing listens on a port we just freed): the build-time probe's
+    one line naming the URL (not the training-time client's retries), and no model loaded."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    model = configs_only(tiny_sd3, tmp_path)
+    flags = tiny_sd35_flags(configs_only(tiny_sd3, tmp_path), tmp_path / "out")
     for reward in (f"geneval[url={url}]", f"remote[url={url}]"):
-        assert_bad_input("grpo_sd35.py", tiny_sd35_flags(model, tmp_path / "out") + ["--reward", reward],
+        assert_bad_input("grpo_sd35.py", flags + ["--reward", reward],
                          f"reward server {url} is not reachable")
 
 
 def test_resume_refuses_what_it_cannot_continue(tiny_sd3, tmp_path, grpo_lora_run):
     run = cut_back_copy(grpo_lora_run, tmp_path / "a")  # as if it had stopped after epoch 1
-    ckpt = run / "checkpoints" / "epoch_00001"
+    checkpoint = run / "checkpoints" / "epoch_00001"
     base = tiny_sd35_flags(tiny_sd3, tmp_path / "b")
-    resume = ["--epochs", "2", "--resume", str(ckpt)]
-    assert_bad_input("grpo_sd35.py", base + resume + ["--lora-rank", "8", "--lora-alpha", "8"], "--lora-rank 8 differs")
-    assert_bad_input("grpo_sd35.py", base + resume + ["--lora-rank", "4", "--lora-alpha", "4"], "--lora-alpha 4 differs")
-    assert_bad_input("grpo_sd35.py", base + LORA + ["--epochs", "1", "--resume", str(ckpt)], "not past")
+    resume = ["--epochs", "2", "--resume", str(checkpoint)]
+    assert_bad_input("grpo_sd35.py", base + resume + ["--lora-rank", "8", "--lora-alpha", "8"],
+                     "--lora-rank 8 differs")
+    assert_bad_input("grpo_sd35.py", base + resume + ["--lora-rank", "4", "--lora-alpha", "4"],
+                     "--lora-alpha 4 differs")
+    assert_bad_input("grpo_sd35.py", base + LORA + ["--epochs", "1", "--resume", str(checkpoint)],
+                     "not past")
     hidden = run / "checkpoints" / ".epoch_00002.tmp"  # what a save that crashed leaves
     hidden.mkdir()
-    (hidden / "state.pt").write_bytes((ckpt / "state.pt").read_bytes())
-    assert_bad_input("grpo_sd35.py", base + LORA + ["--epochs", "3", "--resume", str(hidden)], "unfinished saves")
-    # a resumed run continues its checkpoint's run dir, cleans the crashed save, prints its final eval
-    resumed = run_script("grpo_sd35.py", tiny_sd35_flags(tiny_sd3, tmp_path / "a") + GRPO_LORA + [
-        "--resume", str(ckpt)], check=False)
+    (hidden / "state.pt").write_bytes((checkpoint / "state.pt").read_bytes())
+    assert_bad_input("grpo_sd35.py", base + LORA + ["--epochs", "3", "--resume", str(hidden)],
+                     "unfinished saves")
+    # a resumed run continues its checkpoint's run dir, cleans the crashed save, prints its
+    # final eval
+    flags = tiny_sd35_flags(tiny_sd3, tmp_path / "a") + GRPO_LORA + ["--resume", str(checkpoint)]
+    resumed = run_script("grpo_sd35.py", flags, check=False)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "eval after 2 epochs" in resumed.stdout and "process(es)" in resumed.stdout
-    assert [m["epoch"] for m in read_metrics(run)] == [0, 1] and not hidden.exists()
-    assert (run / "checkpoints" / "epoch_00002" / "state.pt").is_file() and not (tmp_path / "b").exists()
+    assert [epoch["epoch"] for epoch in read_metrics(run)] == [0, 1] and not hidden.exists()
+    assert (run / "checkpoints" / "epoch_00002" / "state.pt").is_file()
+    assert not (tmp_path / "b").exists()
 
 
 def test_extra_reward_values_are_logged_and_flat_epochs_warn(tiny_sd3, tmp_path):
-    (tmp_path / "r.py").write_text("import torch\ndef flat(images, prompts, metadata):\n"
-                                   "    return torch.ones(len(prompts)), {'flat_raw': images.mean((1, 2, 3))}\n")
-    proc = run_script("grpo_sd35.py", tiny_sd35_flags(tiny_sd3, tmp_path / "out") + [
-        "--reward", f"{tmp_path / 'r.py'}:flat", "--epochs", "2"], check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stderr.count("UserWarning: an epoch where every group") == 1  # warned once, not every epoch
-    (run,) = (tmp_path / "out").iterdir()
-    first, last = read_metrics(run)
-    assert 0 < first["reward/flat_raw"] < 1 and 0 < first["eval/flat_raw"] < 1 and "eval/final_flat_raw" in last
+    (tmp_path / "r.py").write_text(
+        "import torch\n"
+        "def flat(images, prompts, metadata):\n"
+        "    return torch.ones(len(prompts)), {'flat_raw': images.mean((1, 2, 3))}\n")
+    flags = tiny_sd35_flags(tiny_sd3, tmp_path / "out")
+    flags += ["--reward", f"{tmp_path / 'r.py'}:flat", "--epochs", "2"]
+    process = run_script("grpo_sd35.py", flags, check=False)
+    assert process.returncode == 0, process.stderr[-3000:]
+    # warned once, not every epoch
+    assert process.stderr.count("UserWarning: an epoch where every group") == 1
+    runs = list((tmp_path / "out").iterdir())
+    assert len(runs) == 1, runs
+    first, last = read_metrics(runs[0])
+    assert 0 < first["reward/flat_raw"] < 1 and 0 < first["eval/flat_raw"] < 1
+    assert "eval/final_flat_raw" in last
 
 
 def test_non_finite_stop_names_the_value_and_only_an_existing_checkpoint(tmp_path):
-    with pytest.raises(SystemExit, match=r"^error: non-finite reward at epoch 3; stopping. Last checkpoint: none saved"):
-        grpo_sd35.check_finite("epoch 3", str(tmp_path), reward=torch.tensor([1.0, float("nan")]), advantage=0.0)
+    message = r"^error: non-finite reward at epoch 3; stopping. Last checkpoint: none saved"
+    with pytest.raises(SystemExit, match=message):
+        grpo_sd35.check_finite("epoch 3", str(tmp_path), reward=torch.tensor([1.0, float("nan")]),
+                               advantage=0.0)
     (tmp_path / "checkpoints" / "epoch_00002").mkdir(parents=True)
-    (tmp_path / "checkpoints" / ".epoch_00004.tmp").mkdir()  # an unfinished save is not a checkpoint
-    with pytest.raises(SystemExit, match=r"non-finite gradient at s; stopping. Last checkpoint: .*/epoch_00002$"):
-        grpo_sd35.check_finite("s", str(tmp_path), loss=torch.tensor(0.5), gradient=torch.tensor(float("inf")))
-    grpo_sd35.check_finite("s", str(tmp_path), loss=torch.tensor(0.5), gradient=1.0)  # finite: returns
+    (tmp_path / "checkpoints" / ".epoch_00004.tmp").mkdir()  # an unfinished save: no checkpoint
+    message = r"non-finite gradient at s; stopping. Last checkpoint: .*/epoch_00002$"
+    with pytest.raises(SystemExit, match=message):
+        grpo_sd35.check_finite("s", str(tmp_path), loss=torch.tensor(0.5),
+                               gradient=torch.tensor(float("inf")))
+    # all finite: returns
+    grpo_sd35.check_finite("s", str(tmp_path), loss=torch.tensor(0.5), gradient=1.0)
 
 
 def test_prepare_run_dir_drops_redone_epochs_and_crashed_saves(tmp_path):
     (tmp_path / "checkpoints" / ".epoch_00003.tmp").mkdir(parents=True)
-    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"epoch": {e}}}\n' for e in range(4)))
+    lines = [f'{{"epoch": {epoch}}}\n' for epoch in range(4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(lines))
     grpo_sd35.prepare_run_dir(str(tmp_path), start_epoch=2)
-    assert [m["epoch"] for m in read_metrics(tmp_path)] == [0, 1]
+    assert [epoch["epoch"] for epoch in read_metrics(tmp_path)] == [0, 1]
     assert list((tmp_path / "checkpoints").iterdir()) == []

@@ -1,57 +1,65 @@
-"""dance_grpo_flux.py: hand-computed advantage / timestep-subset / packing units, then end-to-end runs on the tiny
-offline FLUX pipeline."""
+"""dance_grpo_flux.py: hand-computed units (advantages, trained steps, loss, sigma grid, token
+positions, rollout), then end-to-end runs on the tiny offline FLUX pipeline."""
 
 import math
+from contextlib import nullcontext
 
 import pytest
 import torch
 
-from dance_grpo_flux import (dance_sigmas, draw_sde_window, group_advantages, grpo_loss, image_ids, predict_velocity,
-                             rollout, select_train_steps, unpack, window_rollout)
-from scripts_harness import (PROMPTS, TOY_REWARD, assert_bad_input, assert_common_run, assert_eval_only_reproduces,
-                             lora_tensors, read_metrics, run_script)
-from scripts_harness import cut_back_copy
+from dance_grpo_flux import (dance_sigmas, decode, draw_sde_window, group_advantages, grpo_loss,
+                             image_ids, predict_velocity, rollout, select_train_steps)
+from scripts_harness import (PROMPTS, TOY_REWARD, assert_bad_input, assert_common_run,
+                             assert_eval_only_reproduces, cut_back_copy, lora_tensors,
+                             read_metrics, run_script)
 from sde import sde_step
 
 SCRIPT = "dance_grpo_flux.py"
 
 
 def tiny_flux_flags(model: str, out, precision: str = "no") -> list[str]:
-    """A seconds-long CPU run on the tiny FLUX pipeline: 32 px (a multiple of 8 = VAE x 2x2 packing), 4 steps."""
-    return ["--model", str(model), "--output-dir", str(out), "--train-prompts", PROMPTS, "--test-prompts", PROMPTS,
-            "--reward", TOY_REWARD, "--resolution", "32", "--num-steps", "4", "--eval-num-steps", "3",
-            "--group-size", "4", "--prompts-per-epoch", "2", "--batch-size", "4", "--eval-batch-size", "2",
-            "--eval-every", "1", "--save-every", "1", "--max-sequence-length", "16", "--mixed-precision", precision]
+    """A seconds-long CPU run on the tiny FLUX pipeline: 32 px (a multiple of 8 = VAE x 2x2
+    packing), 4 steps."""
+    return ["--model", str(model), "--output-dir", str(out), "--train-prompts", PROMPTS,
+            "--test-prompts", PROMPTS, "--reward", TOY_REWARD, "--resolution", "32",
+            "--num-steps", "4", "--eval-num-steps", "3", "--group-size", "4",
+            "--prompts-per-epoch", "2", "--batch-size", "4", "--eval-batch-size", "2",
+            "--eval-every", "1", "--save-every", "1", "--max-sequence-length", "16",
+            "--mixed-precision", precision]
 
 
-# ---- units -------------------------------------------------------------------------------------------------------
+# ---- units ----------------------------------------------------------------------------------
 def test_group_advantages_use_each_groups_unbiased_std():
     rewards = torch.tensor([1.0, 2.0, 3.0, 5.0, 4.0, 4.0])
     groups = torch.tensor([0, 0, 1, 1, 2, 2])
     adv = group_advantages(rewards, groups)
-    # group 0: mean 1.5, unbiased std sqrt(0.5); group 1: mean 4, std sqrt(2); group 2: all equal -> 0
-    want = torch.tensor([-0.5 / math.sqrt(0.5), 0.5 / math.sqrt(0.5), -1 / math.sqrt(2), 1 / math.sqrt(2), 0, 0])
+    # group 0: mean 1.5, unbiased std sqrt(0.5); group 1: mean 4, std sqrt(2); group 2: equal
+    half, two = math.sqrt(0.5), math.sqrt(2)
+    want = torch.tensor([-0.5 / half, 0.5 / half, -1 / two, 1 / two, 0, 0])
     assert torch.allclose(adv, want, atol=1e-6)
-    # a group of three: (r - 2) / 1 for rewards 1, 2, 3 (unbiased std 1), interleaved with another group
+    # a group of three: (r - 2) / 1 for rewards 1, 2, 3 (unbiased std 1), between another group
     adv = group_advantages(torch.tensor([1.0, 10.0, 2.0, 30.0, 3.0]), torch.tensor([0, 1, 0, 1, 0]))
-    assert torch.allclose(adv, torch.tensor([-1.0, -1 / math.sqrt(2), 0.0, 1 / math.sqrt(2), 1.0]), atol=1e-6)
+    want = torch.tensor([-1.0, -1 / two, 0.0, 1 / two, 1.0])
+    assert torch.allclose(adv, want, atol=1e-6)
 
 
 def test_group_advantages_are_scale_free_and_sum_to_zero_per_group():
     rewards = torch.randn(24, generator=torch.Generator().manual_seed(0))
-    groups = torch.arange(2).repeat_interleave(12)[torch.randperm(24, generator=torch.Generator().manual_seed(1))]
+    order = torch.randperm(24, generator=torch.Generator().manual_seed(1))
+    groups = torch.arange(2).repeat_interleave(12)[order]
     adv = group_advantages(rewards, groups)
     assert torch.allclose(adv, group_advantages(100 * rewards + 7, groups), atol=1e-5)
     for g in range(2):
-        assert adv[groups == g].sum().abs() < 1e-5 and adv[groups == g].std().item() == pytest.approx(1, abs=1e-5)
+        assert adv[groups == g].sum().abs() < 1e-5
+        assert adv[groups == g].std().item() == pytest.approx(1, abs=1e-5)
 
 
 def test_select_train_steps_is_a_per_sample_subset_without_the_last_step():
     gen = torch.Generator().manual_seed(0)
     steps = select_train_steps(64, 12, 0.6, gen)
-    assert steps.shape == (64, int(11 * 0.6)) and steps.dtype == torch.long  # 6 of the first 11 transitions
-    assert steps.min() >= 0 and steps.max() <= 10  # transition 11 (to sigma = 0) is never trained
-    assert all(len(set(row.tolist())) == row.numel() for row in steps)  # no step twice for one sample
+    assert steps.shape == (64, int(11 * 0.6)) and steps.dtype == torch.long  # 6 of the first 11
+    assert steps.min() >= 0 and steps.max() <= 10  # transition 11 (to sigma = 0) never trained
+    assert all(len(set(row.tolist())) == row.numel() for row in steps)  # no step twice a sample
     assert len({tuple(sorted(row.tolist())) for row in steps}) > 1  # samples draw independently
     assert set(steps.flatten().tolist()) == set(range(11))  # every candidate gets drawn
     again = select_train_steps(64, 12, 0.6, torch.Generator().manual_seed(0))
@@ -59,15 +67,17 @@ def test_select_train_steps_is_a_per_sample_subset_without_the_last_step():
     assert select_train_steps(3, 4, 1.0, gen).sort(dim=1).values.tolist() == [[0, 1, 2]] * 3
 
 
-def test_grpo_loss_clips_ratio_and_advantage():
+def test_grpo_loss_clips_ratio_and_advantage_and_divides_by_the_accumulation():
     zero = torch.zeros(2)
-    loss, ratio = grpo_loss(zero, zero, torch.tensor([-1.0, -1.0]), clip_range=1e-4, adv_clip=5.0)
-    assert loss.item() == pytest.approx(1.0) and torch.equal(ratio, torch.ones(2))
-    lp = torch.tensor([math.log(1.5), math.log(1.5)])
-    loss, _ = grpo_loss(lp, zero, torch.tensor([1.0, -1.0]), clip_range=0.2, adv_clip=5.0)
-    assert loss.item() == pytest.approx((-1.2 + 1.5) / 2)
-    loss, _ = grpo_loss(zero, zero, torch.tensor([100.0, 100.0]), clip_range=0.2, adv_clip=5.0)
-    assert loss.item() == pytest.approx(-5.0)
+    loss, policy_loss, ratio = grpo_loss(zero, zero, torch.tensor([-1.0, -1.0]), 1e-4, 5.0, 1)
+    assert policy_loss.item() == pytest.approx(1.0) and torch.equal(ratio, torch.ones(2))
+    assert loss.item() == pytest.approx(1.0)
+    log_prob = torch.tensor([math.log(1.5), math.log(1.5)])
+    _, policy_loss, _ = grpo_loss(log_prob, zero, torch.tensor([1.0, -1.0]), 0.2, 5.0, 1)
+    assert policy_loss.item() == pytest.approx((-1.2 + 1.5) / 2)
+    loss, policy_loss, _ = grpo_loss(zero, zero, torch.tensor([100.0, 100.0]), 0.2, 5.0, 4)
+    assert policy_loss.item() == pytest.approx(-5.0)  # the advantage is clipped to 5
+    assert loss.item() == pytest.approx(-5.0 / 4)  # the micro-step's share of the step's mean
 
 
 def test_dance_sigmas_are_the_shift3_grid():
@@ -77,13 +87,12 @@ def test_dance_sigmas_are_the_shift3_grid():
     assert s[0] == 1 and s[-1] == 0 and s[2].item() == pytest.approx(0.75)
 
 
-def test_unpack_and_image_ids_match_the_flux_pipeline():
-    from diffusers import FluxPipeline
-
-    latents = torch.randn(2, 4, 8, 6)
-    packed = FluxPipeline._pack_latents(latents, 2, 4, 8, 6)  # (2, 4 * 3, 16)
-    assert torch.equal(unpack(packed, 8, 6), latents)
-    assert torch.equal(image_ids(4, 3, "cpu"), FluxPipeline._prepare_latent_image_ids(1, 4, 3, "cpu", torch.float32))
+def test_image_ids_are_zero_row_column():
+    ids = image_ids(4, 3, "cpu")
+    assert ids.shape == (12, 3) and ids.dtype == torch.float32
+    assert ids[:, 0].eq(0).all()
+    assert ids[:, 1].tolist() == [r for r in range(4) for _ in range(3)]  # row-major tokens
+    assert ids[:, 2].tolist() == [c for _ in range(4) for c in range(3)]
 
 
 @pytest.fixture(scope="module")
@@ -93,21 +102,37 @@ def tiny_pipe(tiny_flux):
     return FluxPipeline.from_pretrained(tiny_flux)
 
 
-def test_rollout_then_mixed_step_rescoring_gives_ratio_one(tiny_pipe):
-    """Training re-scores each sample at its own step in one forward: the log-probs equal the rollout's."""
-    from contextlib import nullcontext
+def test_decode_unpacks_the_tokens_the_pipeline_packed(tiny_pipe):
+    """decode() of packed tokens is the VAE decode of the latent image FluxPipeline packed."""
+    vae, channels = tiny_pipe.vae, tiny_pipe.vae.config.latent_channels
+    latents = torch.randn(2, channels, 4, 4, generator=torch.Generator().manual_seed(0))
+    packed = tiny_pipe._pack_latents(latents, 2, channels, 4, 4)  # (2, 2 * 2, 4 * channels)
+    with torch.no_grad():
+        want = vae.decode(latents / vae.config.scaling_factor + vae.config.shift_factor).sample
+        got = decode(tiny_pipe, packed, 4 * tiny_pipe.vae_scale_factor)
+    assert torch.equal(got, (want / 2 + 0.5).clamp(0, 1))
 
-    pipe, gen = tiny_pipe, torch.Generator().manual_seed(0)
-    embeds, pooled, text_ids = pipe.encode_prompt(["a cat", "a dog", "a cow"], None, max_sequence_length=16)
-    ids, sigmas = image_ids(4, 4, "cpu"), dance_sigmas(4, 3.0)
+
+def encode(pipe, prompts):
+    embeds, pooled, text_ids = pipe.encode_prompt(prompts, None, max_sequence_length=16)
+    return embeds, pooled, text_ids, image_ids(4, 4, "cpu")
+
+
+def test_rollout_then_mixed_step_rescoring_gives_ratio_one(tiny_pipe):
+    """Training re-scores each sample at its own step in one forward: the log-probs equal the
+    rollout's."""
+    gen = torch.Generator().manual_seed(0)
+    cond, sigmas = encode(tiny_pipe, ["a cat", "a dog", "a cow"]), dance_sigmas(4, 3.0)
     noise = torch.randn(3, 16, 16, generator=gen)
-    latents, log_probs, x0_hat = rollout(pipe.transformer, noise, sigmas, "dance", 0.3, embeds, pooled, text_ids, ids,
+    latents, log_probs, x0_hat = rollout(tiny_pipe.transformer, noise, sigmas, (0, 4), 0.3, cond,
                                          3.5, nullcontext(), gen)
-    assert latents.shape == (3, 5, 16, 16) and log_probs.shape == (3, 4) and x0_hat.shape == (3, 16, 16)
+    latents, log_probs = torch.stack(latents, dim=1), torch.stack(log_probs, dim=1)
+    assert latents.shape == (3, 5, 16, 16) and log_probs.shape == (3, 4)
+    assert x0_hat.shape == (3, 16, 16)
     assert torch.equal(latents[:, 0], noise) and torch.isfinite(log_probs).all()
     t, rows = torch.tensor([0, 2, 1]), torch.arange(3)
     with torch.no_grad():
-        v = predict_velocity(pipe.transformer, latents[rows, t], sigmas[t], embeds, pooled, text_ids, ids, 3.5)
+        v = predict_velocity(tiny_pipe.transformer, latents[rows, t], sigmas[t], *cond, 3.5)
     _, log_prob, _, _ = sde_step(v, latents[rows, t], sigmas[t], sigmas[t + 1], "dance", 0.3,
                                  prev_sample=latents[rows, t + 1])
     assert torch.allclose(log_prob, log_probs[rows, t], atol=1e-5, rtol=0)
@@ -115,42 +140,46 @@ def test_rollout_then_mixed_step_rescoring_gives_ratio_one(tiny_pipe):
 
 def test_sde_window_start_is_drawn_from_a_to_b_minus_k_inclusive():
     draws = {draw_sde_window(2, (1, 5), 12, torch.Generator().manual_seed(s)) for s in range(100)}
-    assert draws == {(1, 3), (2, 4), (3, 5)}  # start in 1..5-2, both ends included; the window stays inside [1, 5)
-    assert draw_sde_window(0, (1, 5), 12, None) == (0, 12)  # no window: every step is SDE (the paper's run)
+    assert draws == {(1, 3), (2, 4), (3, 5)}  # start in 1..5-2, both ends; inside [1, 5)
+    assert draw_sde_window(0, (1, 5), 12, None) == (0, 12)  # no window: all SDE (the paper)
 
 
 @pytest.mark.parametrize("window", [(1, 3), (0, 2), (2, 4)])
-def test_window_rollout_is_dance_sde_inside_and_ode_outside(tiny_pipe, window):
-    from contextlib import nullcontext
-
-    pipe = tiny_pipe
-    embeds, pooled, text_ids = pipe.encode_prompt(["a cat", "a dog"], None, max_sequence_length=16)
-    cond, sigmas = (embeds, pooled, text_ids, image_ids(4, 4, "cpu")), dance_sigmas(4, 3.0)
+def test_rollout_is_dance_sde_inside_the_window_and_ode_outside(tiny_pipe, window):
+    cond, sigmas = encode(tiny_pipe, ["a cat", "a dog"]), dance_sigmas(4, 3.0)
     noise = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(0))
+
+    def sample(noise, sigmas, window, generator):
+        return rollout(tiny_pipe.transformer, noise, sigmas, window, 0.3, cond, 3.5,
+                       nullcontext(), generator)
+
     (latents, log_probs, x0_hat), (latents_b, _, _) = [
-        window_rollout(pipe.transformer, noise, sigmas, window, 0.3, cond, 3.5, nullcontext(),
-                       torch.Generator().manual_seed(seed)) for seed in (0, 1)]
-    assert latents.shape == (2, 3, 16, 16) and log_probs.shape == (2, 2) and x0_hat.shape == (2, 16, 16)
-    before = noise if window[0] == 0 else rollout(pipe.transformer, noise, sigmas[: window[0] + 1], "ode", 0.0, *cond,
-                                                  3.5, nullcontext(), None)[0][:, -1]
-    assert torch.equal(latents[:, 0], before) and torch.equal(latents[:, 0], latents_b[:, 0])  # ODE before
-    assert not torch.allclose(latents[:, 1:], latents_b[:, 1:])  # SDE inside: the generator matters
+        sample(noise, sigmas, window, torch.Generator().manual_seed(seed)) for seed in (0, 1)]
+    latents, latents_b = torch.stack(latents, dim=1), torch.stack(latents_b, dim=1)
+    log_probs = torch.stack(log_probs, dim=1)
+    assert latents.shape == (2, 3, 16, 16) and log_probs.shape == (2, 2)
+    assert x0_hat.shape == (2, 16, 16)
+    ode_latents, ode_log_probs, _ = sample(noise, sigmas, (window[0], window[0]), None)
+    assert ode_log_probs == [] and len(ode_latents) == 1  # an empty window: all ODE
+    assert torch.equal(latents[:, 0], ode_latents[0])  # ODE before the window
+    assert torch.equal(latents[:, 0], latents_b[:, 0])
+    assert not torch.allclose(latents[:, 1:], latents_b[:, 1:])  # SDE inside: the noise matters
     if window[1] < 4:  # ODE after the window, from its last latent, gives the reward's x0_hat
-        after = rollout(pipe.transformer, latents[:, -1], sigmas[window[1] :], "ode", 0.0, *cond, 3.5, nullcontext(),
-                        None)
-        assert torch.equal(x0_hat, after[2])
-    with torch.no_grad():  # training re-scores the stored window steps exactly (on-policy ratio 1)
+        assert torch.equal(x0_hat, sample(latents[:, -1], sigmas[window[1] :], (0, 0), None)[2])
+    with torch.no_grad():  # training re-scores the stored window steps exactly (ratio 1)
         for j in range(2):
             s = sigmas[window[0] + j : window[0] + j + 2]
-            v = predict_velocity(pipe.transformer, latents[:, j], s[0], *cond, 3.5)
-            log_prob = sde_step(v, latents[:, j], s[0], s[1], "dance", 0.3, prev_sample=latents[:, j + 1])[1]
+            v = predict_velocity(tiny_pipe.transformer, latents[:, j], s[0], *cond, 3.5)
+            log_prob = sde_step(v, latents[:, j], s[0], s[1], "dance", 0.3,
+                                prev_sample=latents[:, j + 1])[1]
             assert torch.allclose(log_prob, log_probs[:, j], atol=1e-5, rtol=0)
 
 
-# ---- end to end ----------------------------------------------------------------------------------------------------
+# ---- end to end -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def one_process_run(tiny_flux, tmp_path_factory):
-    return run_script(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path_factory.mktemp("dance1")) + ["--epochs", "2"])
+    out = tmp_path_factory.mktemp("dance1")
+    return run_script(SCRIPT, tiny_flux_flags(tiny_flux, out) + ["--epochs", "2"])
 
 
 def test_one_process_run(one_process_run):
@@ -162,46 +191,52 @@ def test_one_process_run(one_process_run):
 
 
 def test_lora_starts_from_peft_default_init(one_process_run):
-    """A: Kaiming-uniform in +-1/sqrt(fan_in) (peft's default, upstream train_grpo_flux_lora.py), std 1/sqrt(3 fan_in);
-    "gaussian" would give std 1/rank. A few small AdamW steps later the spread is still the init's."""
+    """A: Kaiming-uniform in +-1/sqrt(fan_in) (peft's default, upstream's
+    train_grpo_flux_lora.py), std 1/sqrt(3 fan_in); "gaussian" would give std 1/rank. A few
+    small AdamW steps later the spread is still the init's."""
     from safetensors.torch import load_file
 
-    lora = load_file(one_process_run / "checkpoints" / "epoch_00001" / "lora" / "pytorch_lora_weights.safetensors")
+    lora_dir = one_process_run / "checkpoints" / "epoch_00001" / "lora"
+    lora = load_file(lora_dir / "pytorch_lora_weights.safetensors")
     a_mats = [t for k, t in lora.items() if "lora_A" in k]
     assert a_mats
     for a in a_mats:
         bound = 1 / math.sqrt(a.shape[1])
-        assert a.abs().max() <= bound + 0.01 and a.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.25)
+        assert a.abs().max() <= bound + 0.01
+        assert a.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.25)
 
 
 def test_resume_matches_uninterrupted_run(tiny_flux, tmp_path, one_process_run):
     first = cut_back_copy(one_process_run, tmp_path / "a")  # as if it had stopped after epoch 1
-    resumed = run_script(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path / "a") + [
-        "--epochs", "2", "--resume", str(first / "checkpoints" / "epoch_00001")])
-    assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]  # continues its run dir
+    resume = ["--epochs", "2", "--resume", str(first / "checkpoints" / "epoch_00001")]
+    resumed = run_script(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path / "a") + resume)
+    assert resumed == first  # continues its run dir
+    assert [m["epoch"] for m in read_metrics(resumed)] == [0, 1]
     want = lora_tensors(one_process_run / "checkpoints" / "epoch_00002")
     got = lora_tensors(resumed / "checkpoints" / "epoch_00002")
     assert all(torch.allclose(w, g, atol=1e-6) for w, g in zip(want, got))
 
 
 def test_two_process_torchrun(tiny_flux, tmp_path):
-    run_dir = run_script(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path, precision="bf16") + [
-        "--epochs", "2", "--batch-size", "2", "--no-init-same-noise", "--ema-decay", "0.9"], nproc=2)
+    flags = ["--epochs", "2", "--batch-size", "2", "--no-init-same-noise", "--ema-decay", "0.9"]
+    run_dir = run_script(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path, precision="bf16") + flags,
+                         nproc=2)
     for m in assert_common_run(run_dir, epochs=2):
         assert m["losses/on_policy_ratio_dev"] < 1e-3
 
 
 def test_learning_brightness_rises(tiny_flux, tmp_path):
-    # Not the toy world: on toy-flux (held-out 0.33-0.36 at seeds 42/1/2) the docstring's demo config (toy_flags, batch
-    # 16, 1 update/epoch, lr 1e-3; ~36 s CPU per 10 epochs) gains +0.063/+0.021/+0.010 after 10 epochs and
-    # +0.042/+0.031/+0.010 after 20: positive, but 1-6 of 96 samples, within what weight noise moves (lr 3e-3, seed 42:
-    # +0.063 after 10).
-    run_dir = run_script(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path) + [
-        "--epochs", "12", "--group-size", "8", "--batch-size", "8", "--noise-level", "1.0", "--learning-rate", "5e-3",
-        "--clip-range", "0.2", "--timestep-fraction", "1.0", "--eval-every", "100", "--save-every", "100"])
-    metrics = read_metrics(run_dir)
+    # Not the toy world: on toy-flux (held-out 0.33-0.36 at seeds 42/1/2) the docstring's demo
+    # config (batch 16, 1 update/epoch, lr 1e-3; ~36 s CPU per 10 epochs) gains
+    # +0.063/+0.021/+0.010 after 10 epochs and +0.042/+0.031/+0.010 after 20: positive, but 1-6
+    # of 96 samples, within what weight noise moves (lr 3e-3, seed 42: +0.063 after 10).
+    flags = ["--epochs", "12", "--group-size", "8", "--batch-size", "8", "--noise-level", "1.0",
+             "--learning-rate", "5e-3", "--clip-range", "0.2", "--timestep-fraction", "1.0",
+             "--eval-every", "100", "--save-every", "100"]
+    metrics = read_metrics(run_script(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path) + flags))
     rewards = [m["reward/mean"] for m in metrics]
-    # eval is a deterministic ODE from fixed noise: its change is all learning; scale = the first epoch's spread
+    # eval is a deterministic ODE from fixed noise: its change is all learning; scale = the
+    # first epoch's spread
     gain = metrics[-1]["eval/final_reward_mean"] - metrics[0]["eval/reward_mean"]
     assert gain > 2 * metrics[0]["reward/std"], (gain, metrics[0]["reward/std"])
     assert sum(rewards[6:]) / 6 > sum(rewards[:2]) / 2, rewards
@@ -209,11 +244,13 @@ def test_learning_brightness_rises(tiny_flux, tmp_path):
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_window_run_trains_only_the_window(tiny_flux, tmp_path, nproc):
-    flags = tiny_flux_flags(tiny_flux, tmp_path) + ["--epochs", "2", "--sde-window-size", "2", "--sde-window-range", "0",
-                                                     "3", "--batch-size", str(4 // nproc)]
+    flags = tiny_flux_flags(tiny_flux, tmp_path) + [
+        "--epochs", "2", "--sde-window-size", "2", "--sde-window-range", "0", "3",
+        "--batch-size", str(4 // nproc)]
     proc = run_script(SCRIPT, flags, nproc=nproc, check=False)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    assert "2 updates/epoch of 2 micro-steps each" in proc.stdout  # K = 2 steps, not int(3 x 0.6) = 1 random step
+    # K = 2 steps, not int(3 x 0.6) = 1 random step
+    assert "2 updates/epoch of 2 micro-steps each" in proc.stdout
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     for m in assert_common_run(run_dir, epochs=2):
         assert m["losses/on_policy_ratio_dev"] < 1e-6
@@ -235,14 +272,16 @@ def test_bad_input_is_rejected_before_loading(tiny_flux, tmp_path, flags, messag
 
 
 def test_resolution_must_fit_the_packing(tiny_flux, tmp_path):
-    """(Through the real command line: the other bad-input cases run in this process, see assert_bad_input.)"""
-    assert_bad_input(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path) + ["--resolution", "36"], "not a multiple of 8",
-                     in_process=False)
+    """(Through the real command line: the other bad-input cases run in this process, see
+    assert_bad_input.)"""
+    assert_bad_input(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path) + ["--resolution", "36"],
+                     "not a multiple of 8", in_process=False)
 
 
 def test_non_finite_loss_stops_with_message_and_keeps_checkpoint(tiny_flux, tmp_path):
-    flags = tiny_flux_flags(tiny_flux, tmp_path) + ["--epochs", "3", "--reward", "tests/toy_rewards.py:nan_after_two_batches",
-                                                    "--eval-reward", TOY_REWARD]
+    flags = tiny_flux_flags(tiny_flux, tmp_path) + [
+        "--epochs", "3", "--reward", "tests/toy_rewards.py:nan_after_two_batches",
+        "--eval-reward", TOY_REWARD]
     proc = run_script(SCRIPT, flags, check=False)
     assert proc.returncode != 0 and "non-finite" in proc.stderr.strip().splitlines()[-1]
     checkpoints = sorted((p for p in tmp_path.glob("*/checkpoints/*")), key=lambda p: p.name)
@@ -251,19 +290,20 @@ def test_non_finite_loss_stops_with_message_and_keeps_checkpoint(tiny_flux, tmp_
 
 
 def test_saved_lora_loads_into_the_flux_pipeline(tiny_pipe, one_process_run):
-    before = {n: p.clone() for n, p in tiny_pipe.transformer.named_parameters() if "to_q" in n}
+    params = tiny_pipe.transformer.named_parameters
+    before = {n: p.clone() for n, p in params() if "to_q" in n}
     tiny_pipe.load_lora_weights(str(one_process_run / "checkpoints" / "epoch_00002" / "lora"))
     try:
-        image = tiny_pipe("a cat", num_inference_steps=2, height=32, width=32, max_sequence_length=16,
-                          output_type="pt").images
+        image = tiny_pipe("a cat", num_inference_steps=2, height=32, width=32,
+                          max_sequence_length=16, output_type="pt").images
         assert image.shape == (1, 3, 32, 32) and torch.isfinite(image).all()
-        assert any("lora" in n for n, _ in tiny_pipe.transformer.named_parameters())
+        assert any("lora" in n for n, _ in params())
     finally:
         tiny_pipe.unload_lora_weights()
-    assert all(torch.equal(p, before[n]) for n, p in tiny_pipe.transformer.named_parameters() if n in before)
+    assert all(torch.equal(p, before[n]) for n, p in params() if n in before)
 
 
 def test_eval_only_scores_a_checkpoint(tiny_flux, tmp_path, one_process_run):
     ckpt = one_process_run / "checkpoints" / "epoch_00002"
-    run_dir = run_script(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path) + ["--eval-only", "--resume", str(ckpt)])
-    assert_eval_only_reproduces(run_dir, one_process_run)
+    flags = tiny_flux_flags(tiny_flux, tmp_path) + ["--eval-only", "--resume", str(ckpt)]
+    assert_eval_only_reproduces(run_script(SCRIPT, flags), one_process_run)

@@ -1,5 +1,6 @@
-"""dance_grpo_flux.py --full-finetune: FSDP2-sharded full fine-tuning on the tiny FLUX pipeline (1 and 2 processes,
-gloo on CPU), its torch.distributed.checkpoint resume, the diffusers-format export and the bad-input checks."""
+"""dance_grpo_flux.py --full-finetune: FSDP2-sharded full fine-tuning on the tiny FLUX pipeline
+(1 and 2 processes, gloo on CPU), its torch.distributed.checkpoint resume, the diffusers-format
+export and the bad-input checks."""
 
 import json
 import math
@@ -12,13 +13,15 @@ import tyro
 from PIL import Image
 
 import rewards
-from dance_grpo_flux import Args, contact_sheet, dance_sigmas, evaluate, image_ids
-from scripts_harness import PROMPTS, TOY_REWARD, assert_bad_input, assert_eval_only_reproduces, read_metrics, run_script
-from scripts_harness import cut_back_copy
+from dance_grpo_flux import Args, dance_sigmas, evaluate, image_ids
+from scripts_harness import (PROMPTS, TOY_REWARD, assert_bad_input, assert_eval_only_reproduces,
+                             cut_back_copy, read_metrics, run_script)
 from test_dance_grpo_flux import SCRIPT, tiny_flux_flags
 
-# weight decay 0: every change of a weight comes from its gradient; lr and clip large enough to move the tiny model
-FULL = ["--full-finetune", "--learning-rate", "1e-3", "--clip-range", "0.2", "--weight-decay", "0"]
+# weight decay 0: every change of a weight comes from its gradient; lr and clip large enough
+# to move the tiny model
+FULL = ["--full-finetune", "--learning-rate", "1e-3", "--clip-range", "0.2",
+        "--weight-decay", "0"]
 
 
 def flags(tiny_flux, out, precision="bf16") -> list[str]:
@@ -32,21 +35,26 @@ def exported(checkpoint, name="transformer") -> dict:
 
 
 def eval_in_this_process(tiny_flux, run_flags, export_dir):
-    """The script's eval (same seeds, batches, autocast) of FluxPipeline.from_pretrained(tiny, transformer=export)."""
+    """The script's eval (same seeds, batches, autocast) of
+    FluxPipeline.from_pretrained(tiny, transformer=export)."""
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
     args = tyro.cli(Args, args=run_flags)
-    dtype = {"bf16": torch.bfloat16, "no": torch.float32}[args.mixed_precision]  # text encoders as the script has them
-    pipe = FluxPipeline.from_pretrained(tiny_flux, transformer=FluxTransformer2DModel.from_pretrained(export_dir),
+    # the text encoders in the dtype the script gives them
+    dtype = {"bf16": torch.bfloat16, "no": torch.float32}[args.mixed_precision]
+    transformer = FluxTransformer2DModel.from_pretrained(export_dir)
+    pipe = FluxPipeline.from_pretrained(tiny_flux, transformer=transformer,
                                         dtype={"default": dtype, "vae": torch.float32})
     assert pipe.transformer.dtype == torch.float32  # the fp32 master weights
     autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
-    latent = args.resolution // pipe.vae_scale_factor
-    prompts = open(PROMPTS).read().split("\n")
-    prompts = [p.strip() for p in prompts if p.strip()]
-    means, sheet = evaluate(pipe, args, prompts, [{}] * len(prompts), rewards.build_reward(TOY_REWARD),
-                            dance_sigmas(args.eval_num_steps, args.shift), image_ids(latent // 2, latent // 2, "cpu"), 0, 1,
-                            torch.device("cpu"), autocast, ((latent // 2) ** 2, pipe.transformer.config.in_channels))
+    grid = args.resolution // pipe.vae_scale_factor // 2  # packed tokens per side
+    shape = (grid**2, pipe.transformer.config.in_channels)
+    prompts = [p.strip() for p in open(PROMPTS).read().split("\n") if p.strip()]
+    means, sheet = evaluate(pipe, args, prompts, [{}] * len(prompts),
+                            rewards.build_reward(TOY_REWARD),
+                            dance_sigmas(args.eval_num_steps, args.shift),
+                            image_ids(grid, grid, "cpu"), 0, 1, torch.device("cpu"), autocast,
+                            shape)
     return means["reward_mean"], sheet
 
 
@@ -54,12 +62,14 @@ def eval_in_this_process(tiny_flux, run_flags, export_dir):
 def base_weights(tiny_flux) -> dict:
     from diffusers import FluxTransformer2DModel
 
-    return dict(FluxTransformer2DModel.from_pretrained(tiny_flux, subfolder="transformer").named_parameters())
+    model = FluxTransformer2DModel.from_pretrained(tiny_flux, subfolder="transformer")
+    return dict(model.named_parameters())
 
 
 def test_sharded_gradients_equal_unsharded_ones(tiny_flux):
-    """FSDP2 over a 1-rank group, with gradient checkpointing, gives the plain model's gradients (FSDP2 warns that
-    FLUX blocks return views; FLUX does no in-place op on them, which this checks)."""
+    """FSDP2 over a 1-rank group, with gradient checkpointing, gives the plain model's gradients
+    (FSDP2 warns that FLUX blocks return views; FLUX does no in-place op on them, which this
+    checks)."""
     import copy
 
     import torch.distributed as dist
@@ -70,15 +80,18 @@ def test_sharded_gradients_equal_unsharded_ones(tiny_flux):
 
     pipe = FluxPipeline.from_pretrained(tiny_flux)
     with torch.no_grad():
-        embeds, pooled, text_ids = pipe.encode_prompt(["a cat", "a dog"], None, max_sequence_length=16)
-    x, ids = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(0)), image_ids(4, 4, "cpu")
+        embeds, pooled, text_ids = pipe.encode_prompt(["a cat", "a dog"], None,
+                                                      max_sequence_length=16)
+    x = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(0))
+    ids = image_ids(4, 4, "cpu")
     plain = pipe.transformer.requires_grad_(True)
     sharded = copy.deepcopy(plain)
     sharded.enable_gradient_checkpointing()
     try:
         shard_for_full_finetune(sharded)
         for model in (plain, sharded):
-            v = predict_velocity(model.train(), x, torch.tensor([0.7, 0.3]), embeds, pooled, text_ids, ids, 3.5)
+            v = predict_velocity(model.train(), x, torch.tensor([0.7, 0.3]), embeds, pooled,
+                                 text_ids, ids, 3.5)
             (v**2).mean().backward()
         for (name, p), q in zip(plain.named_parameters(), sharded.parameters()):
             assert isinstance(q, DTensor) and q.grad is not None, name
@@ -89,67 +102,76 @@ def test_sharded_gradients_equal_unsharded_ones(tiny_flux):
 
 @pytest.fixture(scope="module")
 def full_run(tiny_flux, tmp_path_factory):
-    out = tmp_path_factory.mktemp("full1")
-    return run_script(SCRIPT, flags(tiny_flux, out) + ["--epochs", "2"]), flags(tiny_flux, out) + ["--epochs", "2"]
+    run_flags = flags(tiny_flux, tmp_path_factory.mktemp("full1")) + ["--epochs", "2"]
+    return run_script(SCRIPT, run_flags), run_flags
 
 
-def test_one_process_full_finetune(full_run, base_weights, tiny_flux, tmp_path):
+def test_one_process_full_finetune(full_run, base_weights, tiny_flux):
     run_dir, run_flags = full_run
     metrics = read_metrics(run_dir)
     assert [m["epoch"] for m in metrics] == [0, 1] and metrics[-1]["charts/global_step"] == 4
     for m in metrics:
-        assert m["losses/on_policy_ratio_dev"] == 0.0  # the first micro-step re-scores the rollout's exact weights
-        assert all(math.isfinite(m[k]) for k in ("losses/policy_loss", "losses/grad_norm", "reward/mean"))
+        # the first micro-step re-scores the rollout's exact weights
+        assert m["losses/on_policy_ratio_dev"] == 0.0
+        keys = ("losses/policy_loss", "losses/grad_norm", "reward/mean")
+        assert all(math.isfinite(m[k]) for k in keys)
     ckpt = run_dir / "checkpoints" / "epoch_00002"
     state = torch.load(ckpt / "state.pt")
-    assert state["kind"] == "full_finetune" and state["next_epoch"] == 2 and (ckpt / "dcp" / ".metadata").is_file()
-    assert not (ckpt / "lora").exists() and not (run_dir / "checkpoints" / "epoch_00001" / "transformer").exists()
+    assert state["kind"] == "full_finetune" and state["next_epoch"] == 2
+    assert (ckpt / "dcp" / ".metadata").is_file() and not (ckpt / "lora").exists()
+    assert not (run_dir / "checkpoints" / "epoch_00001" / "transformer").exists()
     trained = exported(ckpt)
     assert trained.keys() == base_weights.keys()
     assert all(torch.isfinite(p).all() for p in trained.values())
     changed = [n for n, p in trained.items() if not torch.equal(p, base_weights[n])]
     assert len(changed) >= 0.9 * len(trained), sorted(set(trained) - set(changed))
-    # the export loads into FluxPipeline and, evaluated here, reproduces the run's final eval (reward and sheet)
+    # the export loads into FluxPipeline and, evaluated here, reproduces the run's final eval
+    # (reward and sheet)
     mean, sheet = eval_in_this_process(tiny_flux, run_flags, ckpt / "transformer")
     assert mean == pytest.approx(metrics[-1]["eval/final_reward_mean"], abs=1e-6)
     assert abs(mean - metrics[0]["eval/reward_mean"]) > 1e-6  # ... which is not the base model's
-    contact_sheet(sheet, tmp_path / "sheet.png")
-    assert np.array_equal(np.asarray(Image.open(tmp_path / "sheet.png")), np.asarray(Image.open(run_dir / "eval_00002.png")))
+    assert np.array_equal(sheet, np.asarray(Image.open(run_dir / "eval_00002.png")))
 
 
 def test_resume_of_sharded_state_matches_uninterrupted_run(tiny_flux, tmp_path, full_run):
     run_dir, _ = full_run
     first = cut_back_copy(run_dir, tmp_path / "a")  # as if it had stopped after epoch 1
-    resumed = run_script(SCRIPT, flags(tiny_flux, tmp_path / "a") + [
-        "--epochs", "2", "--resume", str(first / "checkpoints" / "epoch_00001")])
-    assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]  # the resumed run continues in its own run dir
-    want, got = exported(run_dir / "checkpoints" / "epoch_00002"), exported(resumed / "checkpoints" / "epoch_00002")
+    resume = ["--epochs", "2", "--resume", str(first / "checkpoints" / "epoch_00001")]
+    resumed = run_script(SCRIPT, flags(tiny_flux, tmp_path / "a") + resume)
+    assert resumed == first  # the resumed run continues in its own run dir
+    assert [m["epoch"] for m in read_metrics(resumed)] == [0, 1]
+    want = exported(run_dir / "checkpoints" / "epoch_00002")
+    got = exported(resumed / "checkpoints" / "epoch_00002")
     assert all(torch.allclose(want[n], got[n], atol=1e-6, rtol=0) for n in want)
 
 
 def test_eval_only_of_a_sharded_checkpoint(tiny_flux, tmp_path, full_run):
     run_dir, _ = full_run
     ckpt = run_dir / "checkpoints" / "epoch_00002"
-    eval_dir = run_script(SCRIPT, flags(tiny_flux, tmp_path) + ["--eval-only", "--resume", str(ckpt)])
-    assert_eval_only_reproduces(eval_dir, run_dir)
+    eval_flags = flags(tiny_flux, tmp_path) + ["--eval-only", "--resume", str(ckpt)]
+    assert_eval_only_reproduces(run_script(SCRIPT, eval_flags), run_dir)
 
 
 def test_two_process_full_finetune_shards_and_exports(tiny_flux, tmp_path, base_weights):
-    run_flags = flags(tiny_flux, tmp_path, precision="no") + ["--epochs", "2", "--batch-size", "2", "--ema-decay",
-                                                              "0.9", "--no-init-same-noise"]
+    run_flags = flags(tiny_flux, tmp_path, precision="no") + [
+        "--epochs", "2", "--batch-size", "2", "--ema-decay", "0.9", "--no-init-same-noise"]
     run_dir = run_script(SCRIPT, run_flags, nproc=2)
     metrics = read_metrics(run_dir)
-    assert all(m["losses/on_policy_ratio_dev"] == 0.0 and math.isfinite(m["losses/policy_loss"]) for m in metrics)
+    for m in metrics:
+        assert m["losses/on_policy_ratio_dev"] == 0.0 and math.isfinite(m["losses/policy_loss"])
     ckpt = run_dir / "checkpoints" / "epoch_00002"
-    assert sorted(p.name for p in (ckpt / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    shards = sorted(p.name for p in (ckpt / "dcp").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]
     trained, ema = exported(ckpt), exported(ckpt, "ema_transformer")
-    # FSDP2 keeps dim-0 chunk r of every weight on rank r: both ranks' shards of the big weights moved
+    # FSDP2 keeps dim-0 chunk r of every weight on rank r: both ranks' shards of the big
+    # weights moved
     big = [n for n, p in trained.items() if p.shape[0] >= 2 and p.numel() >= 64]
     for n in big:
         for shard, base in zip(trained[n].chunk(2), base_weights[n].chunk(2)):
             assert not torch.equal(shard, base), n
-    assert all(not torch.equal(trained[n], ema[n]) for n in big)  # EMA (decay 0.9) lags the live weights
-    # both ranks evaluated half the prompts each with their shards gathered: one process reproduces that eval
+    assert all(not torch.equal(trained[n], ema[n]) for n in big)  # EMA (0.9) lags the weights
+    # both ranks evaluated half the prompts each with their shards gathered: one process
+    # reproduces that eval
     mean, _ = eval_in_this_process(tiny_flux, run_flags, ckpt / "ema_transformer")
     assert mean == pytest.approx(metrics[-1]["eval/final_reward_mean"], abs=1e-5)
 
@@ -157,18 +179,22 @@ def test_two_process_full_finetune_shards_and_exports(tiny_flux, tmp_path, base_
 def test_full_finetune_bad_input(tiny_flux, tmp_path, full_run):
     base = flags(tiny_flux, tmp_path / "out")
     assert_bad_input(SCRIPT, base + ["--lora-alpha", "8"], "LoRA-only")
-    assert_bad_input(SCRIPT, base[:-len(FULL)] + FULL + ["--mixed-precision", "fp16"], "no --mixed-precision fp16")
+    fp16 = base[: -len(FULL)] + FULL + ["--mixed-precision", "fp16"]
+    assert_bad_input(SCRIPT, fp16, "no --mixed-precision fp16")
+    full_checkpoint = str(full_run[0] / "checkpoints" / "epoch_00002")
     assert_bad_input(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path / "out") + [
-        "--resume", str(full_run[0] / "checkpoints" / "epoch_00002")], "is a --full-finetune checkpoint")
+        "--resume", full_checkpoint], "is a --full-finetune checkpoint")
     lora_checkpoint = tmp_path / "lora_ckpt"
     lora_checkpoint.mkdir()
     torch.save({}, lora_checkpoint / "state.pt")
-    assert_bad_input(SCRIPT, base + ["--resume", str(lora_checkpoint)], "is not a --full-finetune checkpoint")
-    # a FLUX-shaped config far too big for one process (counted on the meta device, nothing allocated)
+    assert_bad_input(SCRIPT, base + ["--resume", str(lora_checkpoint)],
+                     "is not a --full-finetune checkpoint")
+    # a FLUX-shaped config far too big for one process (counted on the meta device, nothing
+    # allocated)
     big = tmp_path / "huge"
     (big / "transformer").mkdir(parents=True)
-    config = {"_class_name": "FluxTransformer2DModel", "num_layers": 100, "num_single_layers": 200,
-              "guidance_embeds": True}  # the rest: FLUX.1-dev's widths (the class defaults)
+    config = {"_class_name": "FluxTransformer2DModel", "num_layers": 100,
+              "num_single_layers": 200, "guidance_embeds": True}  # widths: the defaults
     (big / "transformer" / "config.json").write_text(json.dumps(config))
     (big / "vae").mkdir()
     (big / "vae" / "config.json").write_text((Path(tiny_flux) / "vae" / "config.json").read_text())

@@ -1,4 +1,4 @@
-"""nft_sd35.py: hand-computed NFT loss and decay schedule, then end-to-end runs on the tiny offline SD3 pipeline."""
+"""nft_sd35.py: the NFT loss, decay and sampler by hand, then end-to-end runs on tiny SD3."""
 
 import math
 from pathlib import Path
@@ -7,32 +7,46 @@ import pytest
 import torch
 
 from nft_sd35 import dpm_sample, nft_loss, old_decay
-from scripts_harness import (assert_bad_input, assert_common_run, assert_eval_only_reproduces, lora_tensors,
-                             read_metrics, run_script, tiny_sd35_flags)
-from scripts_harness import TOY_SD3, assert_accuracy_rose, cut_back_copy, toy_flags
+from scripts_harness import (TOY_SD3, assert_accuracy_rose, assert_bad_input, assert_common_run,
+                             assert_eval_only_reproduces, cut_back_copy, lora_tensors,
+                             read_metrics, run_script, tiny_sd35_flags, toy_flags)
 
 SCRIPT = "nft_sd35.py"
 
 
-# ---- units -------------------------------------------------------------------------------------------------------
+def policy_loss(v, v_old, x0, xt, t, advantages, beta, adv_clip=5.0):
+    """nft_loss's policy term alone: no KL, no accumulation."""
+    loss, policy, kl = nft_loss(v, v_old, None, x0, xt, t, advantages, beta, adv_clip, 0.0, 1)
+    assert kl.item() == 0.0 and torch.equal(loss, policy)
+    return policy
+
+
+# ---- units ---------------------------------------------------------------------------------
 def test_nft_loss_by_hand():
     # one sample, two elements; t = 0.5, x0 = 0, eps = (2, -2) -> xt = (1, -1)
     x0, xt, t = torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]), torch.tensor([0.5])
     v, v_old = torch.tensor([[2.0, 0.0]]), torch.tensor([[0.0, 0.0]])
     beta = 0.5
-    # v+ = 0.5 v + 0.5 v_old = (1, 0): error xt - t v+ - x0 = (0.5, -1): mean sq 0.625 / mean abs 0.75
-    # v- = 1.5 v_old - 0.5 v = (-1, 0): error (1.5, -1): mean sq 1.625 / mean abs 1.25
+    # v+ = 0.5 v + 0.5 v_old = (1, 0): error xt - t v+ - x0 = (0.5, -1):
+    # mean sq 0.625 / mean abs 0.75; v- = 1.5 v_old - 0.5 v = (-1, 0): error (1.5, -1):
+    # mean sq 1.625 / mean abs 1.25
     pos, neg = 0.625 / 0.75, 1.625 / 1.25
-    for adv, r in [(0.0, 0.5), (5.0, 1.0), (-2.5, 0.25), (100.0, 1.0)]:  # r = clip(A, +-5) / 10 + 0.5
-        loss = nft_loss(v, v_old, x0, xt, t, torch.tensor([adv]), beta=beta, adv_clip=5.0)
+    for adv, r in [(0.0, 0.5), (5.0, 1.0), (-2.5, 0.25), (100.0, 1.0)]:  # r = clip(A) / 10 + .5
+        loss = policy_loss(v, v_old, x0, xt, t, torch.tensor([adv]), beta)
         assert loss.item() == pytest.approx(5.0 * (r * pos + (1 - r) * neg) / beta, rel=1e-6)
+    # the KL to the base, mean((v - v_ref)^2) = mean(4, 0) = 2, and the accumulation scale
+    v_ref, adv = torch.zeros(1, 2), torch.tensor([-2.5])
+    loss, policy, kl = nft_loss(v, v_old, v_ref, x0, xt, t, adv, beta, 5.0, 0.1, 4)
+    assert kl.item() == 2.0
+    assert policy.item() == pytest.approx(5.0 * (0.25 * pos + 0.75 * neg) / beta, rel=1e-6)
+    assert loss.item() == pytest.approx((policy.item() + 0.1 * 2.0) / 4, rel=1e-6)
 
 
 def test_nft_loss_batch_mean_and_error_floor():
     x0 = torch.zeros(2, 3)
     xt = torch.zeros(2, 3)  # zero error everywhere: the 1e-5 floor keeps the division finite
-    loss = nft_loss(torch.zeros(2, 3), torch.zeros(2, 3), x0, xt, torch.tensor([0.3, 0.9]), torch.tensor([1.0, -1.0]),
-                    beta=0.1)
+    t, adv = torch.tensor([0.3, 0.9]), torch.tensor([1.0, -1.0])
+    loss = policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), x0, xt, t, adv, beta=0.1)
     assert loss.item() == 0.0
 
 
@@ -45,7 +59,7 @@ def test_nft_gradient_at_old_policy_is_advantage_weighted_flow_matching():
     v_old = torch.randn(B, 4, 2, 2)
     adv = torch.tensor([1.5, -7.0, 0.3])
     v = v_old.clone().requires_grad_(True)
-    nft_loss(v, v_old, x0, xt, t, adv, beta=0.1).backward()
+    policy_loss(v, v_old, x0, xt, t, adv, beta=0.1).backward()
     # self-normalised flow-matching loss at v_old: mean(err^2) / sg(mean|err|), err = xt - t v - x0
     u = v_old.clone().requires_grad_(True)
     err = xt - t.view(-1, 1, 1, 1) * u - x0
@@ -56,13 +70,15 @@ def test_nft_gradient_at_old_policy_is_advantage_weighted_flow_matching():
 
 def test_old_decay_schedules():
     assert [old_decay(s, 0) for s in (0, 100, 10_000)] == [0.0, 0.0, 0.0]
-    assert old_decay(0, 1) == 0.0 and old_decay(100, 1) == pytest.approx(0.1) and old_decay(10_000, 1) == 0.5
+    assert old_decay(0, 1) == 0.0 and old_decay(100, 1) == pytest.approx(0.1)
+    assert old_decay(10_000, 1) == 0.5
     assert old_decay(74, 2) == 0.0 and old_decay(75, 2) == 0.0
     assert old_decay(95, 2) == pytest.approx(0.15) and old_decay(10_000, 2) == 0.999
 
 
 def test_dpm_sample_is_exact_on_straight_lines():
-    """A straight-line field v = (x - x0) / sigma (every x0-prediction equals x0): every latent lies on the line."""
+    """A straight-line field v = (x - x0) / sigma (every x0-prediction equals x0): every latent
+    lies on the line."""
     gen = torch.Generator().manual_seed(0)
     x0, noise = torch.randn(2, 4, 3, 3, generator=gen), torch.randn(2, 4, 3, 3, generator=gen)
     from diffusers import FlowMatchEulerDiscreteScheduler
@@ -73,15 +89,17 @@ def test_dpm_sample_is_exact_on_straight_lines():
     assert grid[0] == 1 and grid[-1] == 0 and grid[-2].item() == pytest.approx(0.0089, abs=1e-4)
     latents = dpm_sample(lambda x, sigma: (x - x0) / sigma, noise, grid)
     assert latents.shape == (2, 11, 4, 3, 3) and torch.equal(latents[:, 0], noise)
-    want = (1 - grid.view(1, -1, 1, 1, 1)) * x0.unsqueeze(1) + grid.view(1, -1, 1, 1, 1) * noise.unsqueeze(1)
+    sigma = grid.view(1, -1, 1, 1, 1)
+    want = (1 - sigma) * x0.unsqueeze(1) + sigma * noise.unsqueeze(1)
     assert torch.allclose(latents, want, atol=1e-5)
     assert torch.allclose(latents[:, -1], x0, atol=1e-6)
 
 
 def test_dpm_sample_by_hand_first_order_at_both_ends():
-    """v = x (x0-prediction (1 - sigma) x), one scalar latent 1, grid 1, 1/2, 1/(1+e), 1/(1+e^2), 0: log-SNR
-    log((1 - sigma) / sigma) = -inf, 0, 1, 2, +inf. Steps 0 and 3 are DDIM; step 1 is first order (its history is at
-    log-SNR -inf); step 2 is DPM-Solver++(2M) with h = h_prev = 1."""
+    """v = x (x0-prediction (1 - sigma) x), one scalar latent 1, grid 1, 1/2, 1/(1+e),
+    1/(1+e^2), 0: log-SNR log((1 - sigma) / sigma) = -inf, 0, 1, 2, +inf. Steps 0 and 3 are
+    DDIM; step 1 is first order (its history is at log-SNR -inf); step 2 is DPM-Solver++(2M)
+    with h = h_prev = 1."""
     e = math.e
     grid = torch.tensor([1.0, 0.5, 1 / (1 + e), 1 / (1 + e**2), 0.0])
     s2, s3 = 1 / (1 + e), 1 / (1 + e**2)
@@ -96,7 +114,7 @@ def test_dpm_sample_by_hand_first_order_at_both_ends():
     assert latents.flatten().tolist() == pytest.approx([1.0, x1, x2, x3, x4], abs=1e-6)
 
 
-# ---- end to end ----------------------------------------------------------------------------------------------------
+# ---- end to end ----------------------------------------------------------------------------
 def flags(model, out, *extra, precision="no"):
     return tiny_sd35_flags(model, out, precision) + ["--kl-beta", "1e-4", *extra]
 
@@ -107,18 +125,21 @@ def old_tensors(checkpoint):
 
 @pytest.fixture(scope="module")
 def one_process_run(tiny_sd3, tmp_path_factory):
-    return run_script(SCRIPT, flags(tiny_sd3, tmp_path_factory.mktemp("nft1"), "--epochs", "2", "--decay-type", "1"))
+    out = tmp_path_factory.mktemp("nft1")
+    return run_script(SCRIPT, flags(tiny_sd3, out, "--epochs", "2", "--decay-type", "1"))
 
 
 def test_one_process_run_old_policy_follows_its_schedule(one_process_run):
     metrics = assert_common_run(one_process_run, epochs=2)
     assert metrics[0]["losses/first_old_deviate"] == 0.0  # old == current before the first update
     assert metrics[1]["losses/kl"] > 0 and metrics[1]["losses/old_deviate"] > 0
-    assert [m["charts/old_decay"] for m in metrics] == pytest.approx([0.002, 0.004])  # type 1 after 2, 4 steps
+    # type 1 after 2, then 4 steps
+    assert [m["charts/old_decay"] for m in metrics] == pytest.approx([0.002, 0.004])
     ckpt = one_process_run / "checkpoints" / "epoch_00002"
     old, lora = old_tensors(ckpt), lora_tensors(ckpt)
-    assert any(o.abs().sum() > 0 for o in old[1::2])  # the old adapter moved off its zero-initialised B
-    assert any(not torch.equal(o, c) for o, c in zip(old, lora))  # eta > 0: a soft, not a hard, copy
+    # the old adapter moved off its zero-initialised B; eta > 0: a soft, not a hard, copy
+    assert any(o.abs().sum() > 0 for o in old[1::2])
+    assert any(not torch.equal(o, c) for o, c in zip(old, lora))
 
 
 @pytest.fixture(scope="module")
@@ -134,39 +155,48 @@ def default_decay_run(tiny_sd3, tmp_path_factory) -> tuple[Path, str]:
 def test_run_rolls_out_and_trains_on_the_sd3_grid(tiny_sd3, default_decay_run):
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    line = next(x for x in default_decay_run[1].splitlines() if x.startswith("rollout grid sigma"))
+    stdout = default_decay_run[1].splitlines()
+    line = next(x for x in stdout if x.startswith("rollout grid sigma"))
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(tiny_sd3, subfolder="scheduler")
-    scheduler.set_timesteps(4)  # the tiny flags' --num-steps: SD3's own grid, 1.0 ... 0 (not DPM-Solver's flow grid)
-    assert line.split("[")[1].split("]")[0] == ", ".join(str(round(x, 4)) for x in scheduler.sigmas.tolist())
+    # the tiny flags' --num-steps: SD3's own grid, 1.0 ... 0 (not DPM-Solver's flow grid)
+    scheduler.set_timesteps(4)
+    want = ", ".join(str(round(x, 4)) for x in scheduler.sigmas.tolist())
+    assert line.split("[")[1].split("]")[0] == want
     assert line.endswith("training timesteps: all but the final 0") and scheduler.sigmas[0] == 1.0
 
 
 def test_decay_type_2_hard_copies_and_resume_restores_old(tiny_sd3, tmp_path, default_decay_run):
     full = default_decay_run[0]
     for ckpt in ("epoch_00001", "epoch_00002"):
-        old, lora = old_tensors(full / "checkpoints" / ckpt), lora_tensors(full / "checkpoints" / ckpt)
-        assert all(torch.equal(o, c) for o, c in zip(old, lora))  # eta = 0 before step 75: old <- current
+        path = full / "checkpoints" / ckpt
+        old, lora = old_tensors(path), lora_tensors(path)
+        # eta = 0 before step 75: old <- current
+        assert all(torch.equal(o, c) for o, c in zip(old, lora))
     first = cut_back_copy(full, tmp_path / "a")  # as if it had stopped after epoch 1
+    resume = str(first / "checkpoints" / "epoch_00001")
     resumed = run_script(SCRIPT, flags(tiny_sd3, tmp_path / "a", "--epochs", "2", "--resume",
-                                       str(first / "checkpoints" / "epoch_00001")))
-    assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]  # continues its run dir
+                                       resume))
+    # it continues its own run directory
+    assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]
     for load in (lora_tensors, old_tensors):
-        want, got = load(full / "checkpoints" / "epoch_00002"), load(resumed / "checkpoints" / "epoch_00002")
+        want = load(full / "checkpoints" / "epoch_00002")
+        got = load(resumed / "checkpoints" / "epoch_00002")
         assert all(torch.allclose(w, g, atol=1e-6) for w, g in zip(want, got))
 
 
 def test_two_process_torchrun(tiny_sd3, tmp_path):
-    run_dir = run_script(SCRIPT, flags(tiny_sd3, tmp_path, "--epochs", "2", "--batch-size", "2", precision="bf16"),
-                         nproc=2)
+    extra = ["--epochs", "2", "--batch-size", "2"]
+    run_dir = run_script(SCRIPT, flags(tiny_sd3, tmp_path, *extra, precision="bf16"), nproc=2)
     metrics = assert_common_run(run_dir, epochs=2)
     assert metrics[0]["losses/first_old_deviate"] < 1e-6
 
 
 def test_learning_toy_accuracy_rises(tmp_path):
-    # toy world, the module docstring's demo: held-out exact accuracy after 8 epochs rose by +0.146 (seed 42, this
-    # test: 0.438 -> 0.583), +0.125 (seed 1), +0.083 (seed 2); a run that changes nothing gains exactly 0
-    run_dir = run_script(SCRIPT, toy_flags(TOY_SD3, tmp_path) + ["--batch-size", "16", "--learning-rate", "3e-3",
-                                                                 "--epochs", "8"])
+    # toy world, the module docstring's demo: held-out exact accuracy after 8 epochs rose by
+    # +0.146 (seed 42, this test: 0.438 -> 0.583), +0.125 (seed 1), +0.083 (seed 2); a run that
+    # changes nothing gains exactly 0
+    extra = ["--batch-size", "16", "--learning-rate", "3e-3", "--epochs", "8"]
+    run_dir = run_script(SCRIPT, toy_flags(TOY_SD3, tmp_path) + extra)
     assert_accuracy_rose(read_metrics(run_dir), min_gain=0.05)
 
 
@@ -181,6 +211,6 @@ def test_bad_input_is_rejected_before_loading(tiny_sd3, tmp_path, extra, message
 
 
 def test_eval_only_reproduces_final_eval(tiny_sd3, tmp_path, one_process_run):
-    run_dir = run_script(SCRIPT, flags(tiny_sd3, tmp_path, "--eval-only", "--resume",
-                                       str(one_process_run / "checkpoints" / "epoch_00002")))
+    resume = str(one_process_run / "checkpoints" / "epoch_00002")
+    run_dir = run_script(SCRIPT, flags(tiny_sd3, tmp_path, "--eval-only", "--resume", resume))
     assert_eval_only_reproduces(run_dir, one_process_run)

@@ -1,11 +1,12 @@
-"""tests/tiny.py: the tiny pipelines save, reload offline through from_pretrained, tokenize anything, and generate."""
+"""tests/tiny.py: the tiny pipelines save, reload offline through from_pretrained, tokenize
+anything, and generate."""
 
 import os
 
 import pytest
 import torch
-from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel,
-                       SD3Transformer2DModel, StableDiffusion3Pipeline)
+from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline,
+                       FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline)
 from safetensors.torch import load_file
 from transformers import (CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel,
                           T5TokenizerFast)
@@ -59,70 +60,93 @@ def test_sd3_config(sd3):
 def test_flux_config(flux):
     assert flux.vae_scale_factor == 4 and flux.vae.config.latent_channels == 4
     assert (flux.vae.config.scaling_factor, flux.vae.config.shift_factor) == (0.3611, 0.1159)
-    cfg = flux.scheduler.config
-    assert cfg.use_dynamic_shifting and (cfg.base_shift, cfg.max_shift) == (0.5, 1.15)
-    assert (cfg.base_image_seq_len, cfg.max_image_seq_len) == (256, 4096)
-    assert flux.transformer.config.in_channels == 4 * flux.vae.config.latent_channels
-    assert flux.transformer.config.guidance_embeds
-    assert flux.transformer.config.pooled_projection_dim == flux.text_encoder.config.hidden_size == 16
-    assert flux.transformer.config.joint_attention_dim == flux.text_encoder_2.config.d_model == 48
+    scheduler = flux.scheduler.config
+    assert scheduler.use_dynamic_shifting
+    assert (scheduler.base_shift, scheduler.max_shift) == (0.5, 1.15)
+    assert (scheduler.base_image_seq_len, scheduler.max_image_seq_len) == (256, 4096)
+    transformer = flux.transformer.config
+    assert transformer.in_channels == 4 * flux.vae.config.latent_channels
+    assert transformer.guidance_embeds
+    assert transformer.pooled_projection_dim == flux.text_encoder.config.hidden_size == 16
+    assert transformer.joint_attention_dim == flux.text_encoder_2.config.d_model == 48
 
 
 def test_sd3_encode_prompt_shapes(sd3):
-    embeds, neg, pooled, neg_pooled = sd3.encode_prompt(PROMPT, PROMPT, PROMPT, max_sequence_length=256)
-    assert embeds.shape == neg.shape == (1, 77 + 256, 48)  # CLIP tokens (zero-padded to T5 width), then T5
-    assert pooled.shape == neg_pooled.shape == (1, 40)
+    embeds, negative, pooled, negative_pooled = sd3.encode_prompt(
+        PROMPT, PROMPT, PROMPT, max_sequence_length=256)
+    # CLIP tokens (zero-padded to the T5 width), then T5 tokens
+    assert embeds.shape == negative.shape == (1, 77 + 256, 48)
+    assert pooled.shape == negative_pooled.shape == (1, 40)
 
 
 def test_flux_encode_prompt_shapes(flux):
     embeds, pooled, text_ids = flux.encode_prompt(PROMPT, PROMPT, max_sequence_length=512)
-    assert embeds.shape == (1, 512, 48) and pooled.shape == (1, 16) and text_ids.shape == (512, 3)
+    assert embeds.shape == (1, 512, 48)
+    assert pooled.shape == (1, 16)
+    assert text_ids.shape == (512, 3)
 
 
-@pytest.mark.parametrize("pipe_name,subfolder,cls", [
-    ("tiny_sd3", "transformer", SD3Transformer2DModel), ("tiny_sd3", "vae", AutoencoderKL),
+COMPONENTS = [
+    ("tiny_sd3", "transformer", SD3Transformer2DModel),
+    ("tiny_sd3", "vae", AutoencoderKL),
     ("tiny_sd3", "text_encoder", CLIPTextModelWithProjection),
-    ("tiny_sd3", "text_encoder_2", CLIPTextModelWithProjection), ("tiny_sd3", "text_encoder_3", T5EncoderModel),
-    ("tiny_sd3", "tokenizer", CLIPTokenizer), ("tiny_sd3", "tokenizer_2", CLIPTokenizer),
-    ("tiny_sd3", "tokenizer_3", T5TokenizerFast), ("tiny_sd3", "scheduler", FlowMatchEulerDiscreteScheduler),
-    ("tiny_flux", "transformer", FluxTransformer2DModel), ("tiny_flux", "vae", AutoencoderKL),
-    ("tiny_flux", "text_encoder", CLIPTextModel), ("tiny_flux", "text_encoder_2", T5EncoderModel),
-    ("tiny_flux", "tokenizer", CLIPTokenizer), ("tiny_flux", "tokenizer_2", T5TokenizerFast),
+    ("tiny_sd3", "text_encoder_2", CLIPTextModelWithProjection),
+    ("tiny_sd3", "text_encoder_3", T5EncoderModel),
+    ("tiny_sd3", "tokenizer", CLIPTokenizer),
+    ("tiny_sd3", "tokenizer_2", CLIPTokenizer),
+    ("tiny_sd3", "tokenizer_3", T5TokenizerFast),
+    ("tiny_sd3", "scheduler", FlowMatchEulerDiscreteScheduler),
+    ("tiny_flux", "transformer", FluxTransformer2DModel),
+    ("tiny_flux", "vae", AutoencoderKL),
+    ("tiny_flux", "text_encoder", CLIPTextModel),
+    ("tiny_flux", "text_encoder_2", T5EncoderModel),
+    ("tiny_flux", "tokenizer", CLIPTokenizer),
+    ("tiny_flux", "tokenizer_2", T5TokenizerFast),
     ("tiny_flux", "scheduler", FlowMatchEulerDiscreteScheduler),
-])
+]
+
+
+@pytest.mark.parametrize("pipe_name,subfolder,cls", COMPONENTS)
 def test_components_load_one_by_one(request, pipe_name, subfolder, cls):
-    """The scripts load components separately; every one must come back as the class the scripts name."""
-    assert isinstance(cls.from_pretrained(request.getfixturevalue(pipe_name), subfolder=subfolder), cls)
+    """The scripts load components separately: each comes back as the class the scripts name."""
+    path = request.getfixturevalue(pipe_name)
+    assert isinstance(cls.from_pretrained(path, subfolder=subfolder), cls)
 
 
 @pytest.mark.parametrize("name", ["tokenizer", "tokenizer_2"])
 def test_clip_tokenizer_handles_any_text(sd3, name):
-    tok = getattr(sd3, name)
-    assert len(tok) <= getattr(sd3, name.replace("tokenizer", "text_encoder")).config.vocab_size
+    tokenizer = getattr(sd3, name)
+    text_encoder = getattr(sd3, name.replace("tokenizer", "text_encoder"))
+    assert len(tokenizer) <= text_encoder.config.vocab_size
     for text in (PROMPT, "naïve café ☕ — 100%"):
-        ids = tok(text).input_ids
+        ids = tokenizer(text).input_ids
         # CLIP's unk is <|endoftext|>, so "no unk" means eos only at the end.
-        assert ids[0] == tok.bos_token_id and ids[-1] == tok.eos_token_id and tok.eos_token_id not in ids[1:-1]
+        assert ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
+        assert tokenizer.eos_token_id not in ids[1:-1]
         # Decode the inner ids: skip_special_tokens would also drop tokenizer_2's pad token "!".
-        assert tok.decode(ids[1:-1]).replace(" ", "") == text.lower().replace(" ", "")
-    padded = tok(PROMPT, padding="max_length", max_length=77, truncation=True).input_ids
-    assert len(padded) == 77 and padded[-1] == tok.pad_token_id
+        assert tokenizer.decode(ids[1:-1]).replace(" ", "") == text.lower().replace(" ", "")
+    padded = tokenizer(PROMPT, padding="max_length", max_length=77, truncation=True).input_ids
+    assert len(padded) == 77 and padded[-1] == tokenizer.pad_token_id
     assert sd3.tokenizer_2.pad_token == "!"  # as in SD3's real CLIP-G tokenizer
 
 
 def test_t5_tokenizer_round_trips(sd3):
-    tok = sd3.tokenizer_3
-    assert len(tok) <= sd3.text_encoder_3.config.vocab_size
-    ids = tok(PROMPT).input_ids
-    assert ids[-1] == tok.eos_token_id and tok.unk_token_id not in ids
-    assert tok.decode(ids, skip_special_tokens=True) == PROMPT
-    assert len(tok(PROMPT, padding="max_length", max_length=256).input_ids) == 256
+    tokenizer = sd3.tokenizer_3
+    assert len(tokenizer) <= sd3.text_encoder_3.config.vocab_size
+    ids = tokenizer(PROMPT).input_ids
+    assert ids[-1] == tokenizer.eos_token_id and tokenizer.unk_token_id not in ids
+    assert tokenizer.decode(ids, skip_special_tokens=True) == PROMPT
+    assert len(tokenizer(PROMPT, padding="max_length", max_length=256).input_ids) == 256
 
 
-def _weights(path: str, subfolder: str) -> dict:
+def saved_weights(path: str, subfolder: str) -> dict:
+    """Every tensor in the .safetensors files of one component folder."""
     folder = os.path.join(path, subfolder)
-    return {k: v for f in sorted(os.listdir(folder)) if f.endswith(".safetensors")
-            for k, v in load_file(os.path.join(folder, f)).items()}
+    weights = {}
+    for file in sorted(os.listdir(folder)):
+        if file.endswith(".safetensors"):
+            weights.update(load_file(os.path.join(folder, file)))
+    return weights
 
 
 def test_build_is_idempotent_and_deterministic(tiny_sd3, tmp_path):
@@ -130,6 +154,8 @@ def test_build_is_idempotent_and_deterministic(tiny_sd3, tmp_path):
     stamp = os.path.getmtime(os.path.join(path, "model_index.json"))
     assert build_tiny_sd3(tmp_path) == path  # second call: returned as is, not rebuilt
     assert os.path.getmtime(os.path.join(path, "model_index.json")) == stamp
-    for sub in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
-        fresh, session = _weights(path, sub), _weights(tiny_sd3, sub)
-        assert fresh.keys() == session.keys() and all(torch.equal(fresh[k], session[k]) for k in fresh), sub
+    for subfolder in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+        fresh, session = saved_weights(path, subfolder), saved_weights(tiny_sd3, subfolder)
+        assert fresh and fresh.keys() == session.keys(), subfolder
+        for name in fresh:
+            assert torch.equal(fresh[name], session[name]), (subfolder, name)

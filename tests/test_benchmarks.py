@@ -1,0 +1,168 @@
+"""benchmarks/: the end-to-end benchmark on tiny pipelines (its report, its FLOP accounting against
+counted transformer calls), and the throughput benchmarks' levers on CPU."""
+
+import contextlib
+import importlib
+import io
+import json
+import math
+import runpy
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import tyro
+from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+import e2e  # noqa: E402
+import throughput  # noqa: E402
+import throughput_flux  # noqa: E402
+
+
+def finite_positive(x) -> bool:
+    return isinstance(x, float | int) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("e2e-models"))
+
+
+def test_e2e_tiny_reports_every_phase_of_every_script(model_dir, tmp_path, capsys):
+    args = e2e.Args(arch="tiny", model_dir=model_dir, output_dir=str(tmp_path / "runs"),
+                    json=str(tmp_path / "e2e.json"))
+    report = e2e.main(args)
+    printed = capsys.readouterr().out
+    assert json.loads((tmp_path / "e2e.json").read_text()) == json.loads(json.dumps(report))
+    runs = report["runs"]
+    assert [(r["script"], r["variant"]) for r in runs] == [(s, "eager") for s in e2e.SCRIPTS]
+    assert finite_positive(report["meta"]["matmul_peak_tflops"])
+    not_logged = {}
+    for run in runs:
+        assert run["status"] == "ok", Path(run["log"]).read_text()[-3000:]
+        batch = importlib.import_module(e2e.SCRIPTS[run["script"]]).Args().batch_size
+        assert run["images_per_epoch"] == 2 * batch  # 2 micro-batches of the paper's micro-batch
+        assert len(run["epochs"]) == 2 and math.isfinite(run["warmup_s"])
+        for key in ("epoch_s", "images_per_sec", "peak_gib"):
+            assert finite_positive(run[key]), (run["script"], key, run[key])
+        flops = run["flops_per_row"]
+        assert 0 < flops["forward"] < flops["forward_backward"] < 4 * flops["forward"]
+        assert set(run["phases_s"]) == set(e2e.PHASES)
+        logged = {k: v for k, v in run["phases_s"].items() if v is not None}
+        for phase, seconds in logged.items():
+            assert finite_positive(seconds), (run["script"], phase, seconds)
+            assert phase == "eval" or seconds <= run["epoch_s"]
+        if "sampling" in logged:  # images/s = the epoch's sampled images / sampling seconds
+            expected = run["images_per_epoch"] / logged["sampling"]
+            assert run["images_per_sec"] == pytest.approx(expected, rel=1e-6)
+            assert finite_positive(run["mfu"]["sampling"]) and run["mfu"]["sampling"] < 1
+        else:  # sampling is part of the epoch: the logged rate covers at least its images
+            assert run["images_per_sec"] * run["epoch_s"] >= run["images_per_epoch"]
+        if "training" in logged:
+            assert finite_positive(run["mfu"]["training"]) and run["mfu"]["training"] < 1
+        if "eval" in logged:
+            assert finite_positive(run["epoch_images_per_sec"])
+        assert f"| {run['script']} | eager | {run['images_per_epoch']} |" in printed
+        not_logged[run["script"]] = [p for p in e2e.PHASES if p not in logged]
+    if any(not_logged.values()):  # the perf/* contract of issue 25, item 4: scripts log phases
+        pytest.xfail(f"phases not logged in metrics.jsonl yet: {not_logged}")
+
+
+def test_passes_match_the_transformer_rows_each_script_runs(model_dir, tmp_path):
+    """e2e.passes (the FLOP accounting behind MFU) against the rows actually sent through the
+    transformer, with grad and without, in a one-epoch run of every script with e2e's flags."""
+    counted = {"grad": 0, "no_grad": 0}
+
+    def counting(cls):
+        original = cls.forward
+
+        def forward(self, hidden_states, *args, **kwargs):
+            counted["grad" if torch.is_grad_enabled() else "no_grad"] += hidden_states.shape[0]
+            return original(self, hidden_states, *args, **kwargs)
+
+        return mock.patch.object(cls, "forward", forward)
+
+    for script, name in e2e.SCRIPTS.items():
+        family = "flux-dev" if script == "dance" else "sd35m"
+        model = e2e.build_pipeline("tiny", family, model_dir, torch.device("cpu"))
+        out = tmp_path / script
+        out.mkdir()
+        module = importlib.import_module(name)
+        train, test = str(out / "train.txt"), str(out / "test.txt")
+        flags = ["--model", model, "--output-dir", str(out), "--train-prompts", train,
+                 "--test-prompts", test, *e2e.script_flags(module, "tiny", 2, "eager"),
+                 "--epochs", "1"]
+        a = tyro.cli(module.Args, args=flags)
+        e2e.write_prompts(train, test, a.eval_batch_size)
+        counted.update(grad=0, no_grad=0)
+        with (counting(SD3Transformer2DModel), counting(FluxTransformer2DModel),
+              mock.patch.object(sys, "argv", [name + ".py", *flags]),
+              contextlib.redirect_stdout(io.StringIO())):
+            runpy.run_path(str(REPO / f"{name}.py"), run_name="__main__")
+        p, images, evals = e2e.passes(script, a), a.prompts_per_epoch * a.group_size, 2
+        assert counted["grad"] == images * p.train_grad, script
+        eval_rows = evals * a.eval_batch_size * p.eval  # epoch 0's eval and the final one
+        assert counted["no_grad"] == images * (p.sampling + p.train_nograd) + eval_rows, script
+
+
+def test_summary_and_micro_prediction_by_hand():
+    passes = e2e.Passes(sampling=20, train_steps=9, train_grad=18, train_nograd=18, eval=80)
+    epoch0 = {"perf/epoch_seconds": 30.0, "perf/max_mem_gb": 2.0}
+    epoch1 = {"perf/epoch_seconds": 10.0, "perf/max_mem_gb": 1.0, "perf/sampling_seconds": 4.0,
+              "perf/training_seconds": 5.0, "perf/eval_seconds": 0.5,
+              "perf/images_per_sec": 18 / 4.0}
+    s = e2e.summarize([epoch0, epoch1], images=18, p=passes, flops=(10, 25), peak=100.0)
+    assert s["warmup_s"] == 20.0 and s["peak_gib"] == pytest.approx(2e9 / 2**30)
+    assert s["mfu"]["sampling"] == pytest.approx(18 * 20 * 10 / 4.0 / 100)
+    assert s["mfu"]["training"] == pytest.approx(18 * (18 * 25 + 18 * 10) / 5.0 / 100)
+    assert s["training_epoch_s"] == 9.5 and s["epoch_images_per_sec"] == pytest.approx(18 / 9.5)
+    assert s["phases_s"]["reward"] is None and s["phases_s"]["text_encoding"] is None
+    # a micro-benchmark row at the same shapes: 2 rollouts of 9, 9 GRPO steps per micro-batch
+    row = {"bench": "throughput", "variant": "base", "resolution": 512, "lora_rank": 32,
+           "batch_size": 9, "num_steps": 10, "cfg": True, "rollout_s": 1.5, "grpo_s": 0.25}
+    a = tyro.cli(importlib.import_module("grpo_sd35").Args, args=[])
+    micro = e2e.micro_prediction("grpo", "eager", a, 18, passes, [row])
+    assert micro["predicted_s"] == {"sampling": 2 * 1.5, "training": 2 * 9 * 0.25}
+    ratios = e2e.compare_with_micro(s, micro["predicted_s"])
+    assert ratios == pytest.approx({"sampling": 4.0 / 3.0, "training": 5.0 / 4.5,
+                                    "epoch": 9.5 / 7.5})
+    assert e2e.micro_prediction("grpo", "compiled", a, 18, passes, [row]) == {}  # no compile row
+
+
+def test_attention_backend_is_restricted_in_the_transformer_only():
+    """The memory-efficient backend has no CPU kernel: restricted to it, the transformer fails
+    while the VAE (attention in its mid-block) still decodes; a global restriction breaks both."""
+    args = throughput.Args(arch="tiny", device="cpu", dtype="fp32")
+    pipe, _ = throughput.build(args, torch.device("cpu"), torch.float32)
+    tr, vae = pipe.transformer, pipe.vae
+    x = torch.randn(1, tr.config.in_channels, 8, 8)
+    inputs = dict(hidden_states=x, timestep=torch.full((1,), 500.0),
+                  encoder_hidden_states=torch.randn(1, 5, tr.config.joint_attention_dim),
+                  pooled_projections=torch.randn(1, tr.config.pooled_projection_dim))
+    backend = throughput.SDPBackend.EFFICIENT_ATTENTION
+    with throughput.transformer_attention_backend(tr, backend):
+        images = throughput.decode(vae, x)
+        with pytest.raises(RuntimeError, match="No viable backend"):
+            tr(**inputs)
+    assert images.shape == (1, 3, 32, 32) and torch.isfinite(images).all()
+    assert torch.isfinite(tr(**inputs)[0]).all()  # the restriction is gone afterwards
+    with throughput.sdpa_kernel(backend), pytest.raises(RuntimeError, match="No viable backend"):
+        throughput.decode(vae, x)
+
+
+@pytest.mark.parametrize("bench", [throughput, throughput_flux])
+def test_throughput_rows_time_diffusers_in_the_row_setting(bench, tmp_path):
+    log = tmp_path / "log.jsonl"
+    bench.main(bench.Args(arch="tiny", device="cpu", batch_size=2, repeats=1,
+                          variants=["base", "attn-flash"], log=str(log)))
+    base, flash = [json.loads(line) for line in log.read_text().splitlines()]
+    assert base["diffusers_s"] == base["diffusers_eager_s"]  # no inference modifier: eager reused
+    assert "diffusers_first_s" not in base
+    assert "diffusers_first_s" in flash and finite_positive(flash["diffusers_s"])
+    for row in (base, flash):
+        assert finite_positive(row["rollout_s"])
+        assert row["grpo_dev" if bench is throughput else "dance_dev"] == 0.0  # eager: exact
