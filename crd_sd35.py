@@ -7,14 +7,7 @@ The defaults are the paper's OCR run (Table 3, as upstream's PR #121 maps it):
     torchrun --nproc_per_node 8 crd_sd35.py --kl-beta 0.1 \
         --train-prompts ocr/train.txt --test-prompts ocr/test.txt
 
-One-minute CPU demo on the toy world (the held-out counting accuracy, `eval`, rises):
-    python crd_sd35.py --model tests/assets/toy-sd3 \
-        --train-prompts tests/assets/toy_train.txt --test-prompts tests/assets/toy_test.txt \
-        --reward tests/toy_rewards.py:counting_partial \
-        --eval-reward tests/toy_rewards.py:counting --resolution 32 \
-        --max-sequence-length 24 --mixed-precision no --eval-num-steps 10 --group-size 16 \
-        --prompts-per-epoch 6 --batch-size 16 --lora-rank 8 --lora-alpha 8 --kl-beta 0 \
-        --ema-decay 0 --num-train-timesteps 5 --learning-rate 3e-3 --epochs 8
+CPU demo on the toy world (about a minute): README.md, "Running a script".
 
 Provenance: X-GenGroup/Flow-Factory@a0b2bc5, trainers/crd.py (by the paper's first
 author) unless named.
@@ -57,7 +50,6 @@ from tqdm import tqdm
 import rewards
 from sde import sde_step, shift_sigmas
 
-
 @dataclass
 class Args:
     # Experiment
@@ -84,6 +76,8 @@ class Args:
     """dtype of the frozen weights, with autocast (LoRA and VAE stay fp32)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, ~30% slower)"""
+    compile: bool = torch.cuda.is_available()
+    """torch.compile each transformer block (~2x faster on a GPU; default: on with CUDA)"""
     lora_rank: int = 32
     """LoRA rank on the 8 joint-attention projections of every block"""
     lora_alpha: int = 64
@@ -163,12 +157,10 @@ class Args:
     save_every: int = 20
     """checkpoint every N epochs (and after the last)"""
 
-
 # The joint-attention projections of every MMDiT block, as upstream
 LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
                 "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]
 STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other values of these
-
 
 # ALGO LOGIC: snapshot schedules, timesteps, the implicit reward, the CRD loss
 def snapshot_decay(step: int, spec: str) -> float:
@@ -180,26 +172,22 @@ def snapshot_decay(step: int, spec: str) -> float:
     start, v0, slope, vmax = map(float, match.groups())
     return v0 if step < start else min(v0 + (step - start) * slope, vmax)
 
-
 def blend_snapshot(snapshot, params, decay: float):
     """snapshot <- decay snapshot + (1 - decay) params, in place."""
     decay = min(max(decay, 0.0), 1.0)  # exactly a copy at 0, frozen at 1
     for copy, p in zip(snapshot, params):
         copy.mul_(decay).add_(p.detach(), alpha=1 - decay)
 
-
 def sigma_grid(num_steps: int, shift: float) -> torch.Tensor:
     """(T+1,) the rollout grid: SD3's shift of linspace(1, 1/T, T), then 0."""
     u = torch.linspace(1, 1 / num_steps, num_steps, dtype=torch.float64)
     return torch.cat([shift_sigmas(u, shift), u.new_zeros(1)]).float()
-
 
 def train_timesteps(sigmas, num_train: int, generator) -> torch.Tensor:
     """(T,) of the sigmas, stratified: draw j of T lies in the j-th of T equal strata."""
     offsets = torch.rand(num_train, generator=generator, device=generator.device)
     strata = torch.arange(num_train, device=offsets.device) + offsets
     return sigmas[(strata * len(sigmas) / num_train).floor().long()]
-
 
 def crd_implicit_reward(v, v_old, target):
     """(B,) -mean(err^2 / scale - err_old^2 / scale_old) of the flow-matching errors of
@@ -211,7 +199,6 @@ def crd_implicit_reward(v, v_old, target):
     scale = err.detach().abs().mean(dims, True).clamp_min(1e-5)
     scale_old = err_old.detach().abs().mean(dims, True).clamp_min(1e-5)
     return -(err**2 / scale - err_old**2 / scale_old).mean(dim=dims).float()
-
 
 def crd_loss(r_local, r_gathered, advantages, group_ids, rank, world, v, v_teacher,
              accum_steps, crd_beta, adv_clip, kl_beta, reward_adaptive_kl):
@@ -253,11 +240,9 @@ def crd_loss(r_local, r_gathered, advantages, group_ids, rank, world, v, v_teach
         kl_loss = kl_beta * (weight * kl).mean()
     return (world * policy_loss + kl_loss) / accum_steps, policy_loss, kl_loss, kl
 
-
 # TRY NOT TO MODIFY: helpers shared verbatim by the SD3.5 scripts
 def fail(message: str):
     raise SystemExit(f"error: {message}")
-
 
 def check_args(args) -> dict | None:
     """Checks that need no weights; returns the checkpoint's state when resuming."""
@@ -300,7 +285,6 @@ def check_args(args) -> dict | None:
              "epochs: nothing to train")
     return state
 
-
 def load_prompts(path: str) -> tuple[list[str], list[dict]]:
     """One prompt per line, or JSONL with a `prompt` field; returns prompts and metadata."""
     if not os.path.isfile(path):
@@ -316,7 +300,6 @@ def load_prompts(path: str) -> tuple[list[str], list[dict]]:
         fail(f"every line of {path!r} needs a 'prompt' field")
     return [row["prompt"] for row in rows], rows
 
-
 def all_gather_cat(tensor: torch.Tensor, world: int) -> torch.Tensor:
     """Concatenate an equally shaped tensor from every rank, in rank order."""
     if world == 1:
@@ -325,12 +308,10 @@ def all_gather_cat(tensor: torch.Tensor, world: int) -> torch.Tensor:
     dist.all_gather(gathered, tensor.contiguous())
     return torch.cat(gathered)
 
-
 def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
     """Seeded from (seed, epoch, rank, ...): reproducible on resume, with no state to save."""
     seed = np.random.SeedSequence(list(keys)).generate_state(1)[0]
     return torch.Generator(device).manual_seed(int(seed))
-
 
 def group_advantages(rewards, group_ids, per_group_std: bool, eps: float = 1e-4):
     """(reward - its group's mean) / (std + eps), all (N,); std: the population std of all
@@ -343,7 +324,6 @@ def group_advantages(rewards, group_ids, per_group_std: bool, eps: float = 1e-4)
         std = (torch.bincount(group_ids, centered**2) / count).sqrt()[group_ids]
     return (centered / (std + eps)).float()
 
-
 def compute_advantages(rewards, components, weights, group_ids, aggregation, per_group_std):
     """Advantages (N,). `gdpo` with several rewards: normalise each within its group, sum them
     weighted, normalise the sum over the epoch."""
@@ -353,7 +333,6 @@ def compute_advantages(rewards, components, weights, group_ids, aggregation, per
                  for name, weight in weights.items())
     return (summed - summed.mean()) / (summed.std(unbiased=False) + 1e-4)
 
-
 @torch.no_grad()
 def encode(pipe, prompts: list[str], device, max_sequence_length: int):
     """Text embeddings (B, L, 4096) and pooled ones (B, 2048): CLIP-L, CLIP-G and T5."""
@@ -361,7 +340,6 @@ def encode(pipe, prompts: list[str], device, max_sequence_length: int):
         prompts, None, None, device=device, do_classifier_free_guidance=False,
         max_sequence_length=max_sequence_length)
     return embeds, pooled
-
 
 def predict_velocity(transformer, x, sigma, embeds, pooled, neg_embeds, neg_pooled,
                      guidance_scale: float):
@@ -379,7 +357,6 @@ def predict_velocity(transformer, x, sigma, embeds, pooled, neg_embeds, neg_pool
     if cfg:
         v_uncond, v_cond = v.chunk(2)
     return v_uncond + guidance_scale * (v_cond - v_uncond)
-
 
 @torch.no_grad()
 def rollout(transformer, noise, sigmas, kind, noise_level, embeds, pooled, neg_embeds,
@@ -404,13 +381,11 @@ def rollout(transformer, noise, sigmas, kind, noise_level, embeds, pooled, neg_e
             means.append(mean)
     return torch.stack(latents, 1), torch.stack(log_probs, 1), torch.stack(means, 1), x
 
-
 @torch.no_grad()
 def decode(vae, latents) -> torch.Tensor:
     """Latents -> images (B, 3, H, W) in [0, 1], decoded in fp32."""
     latents = latents.float() / vae.config.scaling_factor + vae.config.shift_factor
     return (vae.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
-
 
 def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where, run_dir):
     """Average the gradients over ranks (one flat all-reduce), unscale, clip, check, step;
@@ -427,7 +402,6 @@ def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where,
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
-
 
 def save_checkpoint(path, transformer, lora_params, ema_params, snapshots, optimizer,
                     next_epoch, global_step, args):
@@ -450,7 +424,6 @@ def save_checkpoint(path, transformer, lora_params, ema_params, snapshots, optim
     shutil.rmtree(path, ignore_errors=True)
     os.rename(tmp, path)
 
-
 @contextmanager
 def swapped(params, copies):
     """Temporarily swap `copies` (the EMA, a snapshot) into the live parameters."""
@@ -462,7 +435,6 @@ def swapped(params, copies):
         for p, copy in zip(params, copies):
             p.data, copy.data = copy.data, p.data
 
-
 @contextmanager
 def adapters_disabled(transformer):
     """The base model: the same transformer, LoRA switched off (never a second copy)."""
@@ -471,7 +443,6 @@ def adapters_disabled(transformer):
         yield
     finally:
         transformer.enable_adapters()
-
 
 def prepare_run_dir(run_dir: str, start_epoch: int):
     """Create the run directory, dropping a crashed save and the metrics of redone epochs."""
@@ -483,12 +454,16 @@ def prepare_run_dir(run_dir: str, start_epoch: int):
     with open(path, "w") as file:
         file.writelines(line for line in lines if json.loads(line)["epoch"] < start_epoch)
 
-
 def rank_mean(values: dict[str, float], world: int, device) -> dict[str, float]:
     """Each value's mean over ranks (logged statistics are the run's, not rank 0's)."""
     local = torch.tensor([list(values.values())], dtype=torch.float64, device=device)
     return dict(zip(values, all_gather_cat(local, world).mean(0).tolist()))
 
+def clock(device) -> float:
+    """Seconds (monotonic), read once the GPU has run its queued work: phase timings."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 def check_finite(where: str, run_dir: str, **values):
     """Stop with one line naming the first non-finite value and the last checkpoint."""
@@ -497,7 +472,6 @@ def check_finite(where: str, run_dir: str, **values):
             saved = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
             last = saved[-1] if saved else "none saved yet"
             fail(f"non-finite {name} at {where}; stopping. Last checkpoint: {last}")
-
 
 if __name__ == "__main__":
     # TRY NOT TO MODIFY: input checks, rewards, run directory, all before the model loads
@@ -580,6 +554,11 @@ if __name__ == "__main__":
         p.data = p.data.float()
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
+    if args.compile:  # regional: the repeated blocks, each in place (benchmarks/RESULTS.md)
+        # graphs per block kind: rollout, training, the LoRA off, eval's batch sizes
+        torch._dynamo.config.recompile_limit = 64
+        for block in transformer.transformer_blocks:
+            block.compile(dynamic=False)
     optimizer = torch.optim.AdamW(lora_params, lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
     scaler = torch.amp.GradScaler(device.type, enabled=args.mixed_precision == "fp16")
@@ -632,6 +611,7 @@ if __name__ == "__main__":
         """ODE-sample the test prompts with the EMA weights and score them: prompt i on rank
         i % world, from noise seed i (the same images on any GPU count)."""
         scores, sheet = [], {}
+        transformer.eval()  # as in sampling: a compiled block's graph depends on the mode
         my_prompts = list(range(rank, len(test_prompts), world))
         for start in range(0, len(my_prompts), args.eval_batch_size):
             ids = my_prompts[start : start + args.eval_batch_size]
@@ -673,8 +653,9 @@ if __name__ == "__main__":
         log(run_eval(start_epoch), start_epoch)
     executor = ThreadPoolExecutor(max_workers=1)  # scores batch i while batch i+1 is sampled
     for epoch in range(start_epoch, 0 if args.eval_only else args.epochs):
-        epoch_start = time.time()
+        epoch_start = clock(device)
         metrics = run_eval(epoch) if epoch % args.eval_every == 0 else {}
+        text_start = clock(device)
         # the same prompts on every rank, distinct ones if there are enough
         prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
         num_prompts, per_epoch = len(train_prompts), args.prompts_per_epoch
@@ -682,6 +663,10 @@ if __name__ == "__main__":
             chosen = torch.randperm(num_prompts, generator=prompt_gen)[:per_epoch]
         else:
             chosen = torch.randint(num_prompts, (per_epoch,), generator=prompt_gen)
+        # each prompt encoded once: row g is group g's, (P, L, 4096) and (P, 2048)
+        prompt_embeds, prompt_pooled = encode(pipe, [train_prompts[i] for i in chosen], device,
+                                              args.max_sequence_length)
+        sampling_start = clock(device)
 
         # ALGO LOGIC: sampling: the sampling snapshot's Euler ODE; only x0 is kept
         image_ids = torch.arange(images_per_epoch).view(num_batches, world, -1)
@@ -694,7 +679,7 @@ if __name__ == "__main__":
             prompt_ids = [int(chosen[group]) for group in batch_groups]
             prompts = [train_prompts[i] for i in prompt_ids]
             meta = [train_meta[i] for i in prompt_ids]
-            cond = (*encode(pipe, prompts, device, args.max_sequence_length), *neg)
+            cond = (prompt_embeds[batch_groups], prompt_pooled[batch_groups], *neg)
             noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen,
                                 device=device)
             with swapped(lora_params, snapshots["sampling"]):
@@ -704,7 +689,7 @@ if __name__ == "__main__":
             batches.append((cond, x0))
 
         # TRY NOT TO MODIFY: all ranks' rewards, in rank order, and the advantages
-        sampling_seconds = time.time() - epoch_start
+        reward_start = clock(device)
         scores, infos = zip(*[future.result() for future in futures])  # per micro-batch
         info = {name: torch.cat([batch[name] for batch in infos]) for name in infos[0]}
         all_rewards = all_gather_cat(torch.cat(scores).float().to(device), world).cpu()  # (P*G,)
@@ -720,6 +705,7 @@ if __name__ == "__main__":
         check_finite(f"epoch {epoch}", run_dir, reward=all_rewards, advantage=advantages)
         group_std = torch.stack([all_rewards[group_ids == group].std(unbiased=False)
                                  for group in range(args.prompts_per_epoch)])
+        training_start = clock(device)
 
         # ALGO LOGIC: training. A micro-step re-noises a micro-batch's x0 at one sigma and
         # backpropagates crd_loss. Row s: all ranks' micro-batches s, in rank order
@@ -794,7 +780,10 @@ if __name__ == "__main__":
                    f"sampling {decays['sampling']:.3f}")
 
         # TRY NOT TO MODIFY: shared metrics, final eval, the summary line, checkpoints
-        epoch_seconds = time.time() - epoch_start
+        epoch_end = clock(device)
+        epoch_seconds = epoch_end - epoch_start
+        eval_seconds = text_start - epoch_start
+        compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux: KiB
         if device.type == "cuda":
             max_mem_gb = torch.cuda.max_memory_allocated(device) / 1e9
@@ -807,9 +796,18 @@ if __name__ == "__main__":
             **extras,
             "charts/global_step": global_step,
             "charts/learning_rate": args.learning_rate,
-            "perf/images_per_sec": images_per_epoch / sampling_seconds,
+            "perf/images_per_sec": images_per_epoch / (epoch_seconds - eval_seconds),
             "perf/epoch_seconds": epoch_seconds,
+            "perf/eval_seconds": eval_seconds,
+            "perf/text_encoding_seconds": sampling_start - text_start,
+            "perf/sampling_seconds": reward_start - sampling_start,
+            "perf/reward_seconds": training_start - reward_start,
+            "perf/training_seconds": epoch_end - training_start,
+            "perf/compiled_graphs": compiled_graphs,
             "perf/max_mem_gb": max_mem_gb})
+        if args.compile and epoch == start_epoch and rank == 0:
+            print(f"torch.compile: {compiled_graphs} graphs, compiled in this first epoch "
+                  f"({epoch_seconds:.0f}s); later epochs reuse them")
         if epoch + 1 == args.epochs:
             metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
         log(metrics, epoch)
