@@ -28,6 +28,20 @@ def tiny_flux_flags(model: str, out, precision: str = "no") -> list[str]:
             "--mixed-precision", precision]
 
 
+PHASES = ["eval", "text_encoding", "sampling", "reward", "training"]
+PERF = ["images_per_sec", "epoch_seconds", "compiled_graphs", "compile_seconds", "max_mem_gb"]
+
+
+def assert_perf_logged(metrics: dict):
+    """Every perf/* key is logged; the phases do not overlap and account for the epoch."""
+    assert all(f"perf/{key}" in metrics for key in PERF), sorted(metrics)
+    phases = [metrics[f"perf/{name}_seconds"] for name in PHASES]
+    assert all(seconds >= 0 for seconds in phases), phases
+    epoch = metrics["perf/epoch_seconds"]
+    assert abs(sum(phases) - epoch) <= 0.1 * epoch + 0.5, (phases, epoch)
+    assert metrics["perf/images_per_sec"] > 0 and metrics["perf/max_mem_gb"] > 0
+
+
 # ---- units ----------------------------------------------------------------------------------
 def test_group_advantages_use_each_groups_unbiased_std():
     rewards = torch.tensor([1.0, 2.0, 3.0, 5.0, 4.0, 4.0])
@@ -187,7 +201,23 @@ def test_one_process_run(one_process_run):
     for m in metrics:
         assert m["losses/on_policy_ratio_dev"] < 1e-3
         assert m["charts/global_step"] > 0 and math.isfinite(m["losses/approx_kl"])
+        assert_perf_logged(m)
+        assert m["perf/compiled_graphs"] == 0  # eager: CPU runs compile only when asked
     assert metrics[-1]["charts/global_step"] == 4  # 2 epochs x --updates-per-epoch 2
+
+
+def test_compiled_run_stays_on_policy_and_compiles_once(tiny_flux, tmp_path):
+    """--compile on CPU inductor (each FLUX block compiled in place). Eval's batch is the
+    rollout's, so it shares the rollout's graphs; the eval at epoch 2 follows a training epoch."""
+    flags = ["--compile", "--epochs", "3", "--eval-every", "2", "--eval-batch-size", "4"]
+    run_dir = run_script(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path) + flags)
+    metrics = assert_common_run(run_dir, epochs=3)
+    graphs = [m["perf/compiled_graphs"] for m in metrics]
+    assert graphs[0] > 0 and graphs == [graphs[0]] * 3, graphs  # epochs 1 and 2 reuse them
+    assert metrics[0]["perf/compile_seconds"] > 0
+    for m in metrics:  # the default clip-range 1e-4: the script warns above 1e-5
+        assert m["losses/on_policy_ratio_dev"] <= 1e-5
+        assert_perf_logged(m)
 
 
 def test_lora_starts_from_peft_default_init(one_process_run):
