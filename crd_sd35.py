@@ -25,7 +25,6 @@ import glob
 import json
 import math
 import os
-import re
 import resource
 import shutil
 import sys
@@ -138,9 +137,9 @@ class Args:
     """implicit-reward scale in the regression crd_beta (r - r_mean) ~ a - a_mean"""
     center_by: Literal["group", "batch"] = "group"
     """centering set: a prompt's images in a micro-step, or all of them (upstream)"""
-    old_decay: str = "0-0.25-0.005-0.999"
-    """schedule "S-v0-k-vmax" of the old snapshot, the implicit reward's reference"""
-    sampling_decay: str = "75-0.0-0.0075-0.999"
+    old_decay: tuple[int, float, float, float] = (0, 0.25, 0.005, 0.999)
+    """decay schedule S v0 k vmax of the old snapshot, the implicit reward's reference"""
+    sampling_decay: tuple[int, float, float, float] = (75, 0.0, 0.0075, 0.999)
     """schedule of the snapshot that rolls out (decay <= 0: a copy, on-policy)"""
     kl_beta: float = 0.1
     """weight of the KL to the base model with CFG --kl-cfg (see crd_loss)"""
@@ -151,7 +150,7 @@ class Args:
     ema_decay: float = 0.995
     """EMA decay of the LoRA used for eval and the saved `ema_lora` (0: off)"""
     ema_every: int = 10
-    """the EMA moves every N epochs, its warm-up counts epochs (0: every step)"""
+    """the EMA moves every N epochs, its warm-up counts epochs"""
     eval_every: int = 20
     """evaluate every N epochs (and after the last)"""
     save_every: int = 20
@@ -163,13 +162,10 @@ LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.t
 STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other values of these
 
 # ALGO LOGIC: snapshot schedules, timesteps, the implicit reward, the CRD loss
-def snapshot_decay(step: int, spec: str) -> float:
-    """The decay after `step` optimizer steps of the schedule "S-v0-k-vmax"."""
-    number = r"(\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)"  # 1e-3 has a dash of its own
-    match = re.fullmatch(rf"(\d+)-{number}-{number}-{number}", spec.strip())
-    if match is None:
-        fail(f"decay schedule {spec!r} is not 'S-v0-k-vmax', e.g. '75-0.0-0.0075-0.999'")
-    start, v0, slope, vmax = map(float, match.groups())
+def snapshot_decay(step: int, schedule: tuple[int, float, float, float]) -> float:
+    """The decay after `step` optimizer steps: v0 before step S, then v0 + k per step, at
+    most vmax; schedule = (S, v0, k, vmax), upstream's string "S-v0-k-vmax"."""
+    start, v0, slope, vmax = schedule
     return v0 if step < start else min(v0 + (step - start) * slope, vmax)
 
 def blend_snapshot(snapshot, params, decay: float):
@@ -248,7 +244,7 @@ def check_args(args) -> dict | None:
     """Checks that need no weights; returns the checkpoint's state when resuming."""
     for name in ["epochs", "batch_size", "eval_batch_size", "train_batch_size", "updates_per_epoch",
                  "eval_every", "save_every", "group_size", "prompts_per_epoch", "num_steps",
-                 "eval_num_steps", "lora_rank"]:
+                 "eval_num_steps", "lora_rank", "num_train_timesteps", "ema_every"]:
         value = getattr(args, name, 1)  # not every script has every size
         if value < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -517,10 +513,6 @@ if __name__ == "__main__":
     # micro-batches 1 show prompts 2 to 5, each in >= gcd(24, 64) = 8 images. Each trains
     # 20 timesteps, alike on all GPUs, a micro-step each. 2 updates per epoch: an
     # optimizer step every 9 x 20 = 180 micro-steps (accum_steps).
-    snapshot_decay(0, args.old_decay)  # a malformed schedule fails now
-    snapshot_decay(0, args.sampling_decay)
-    if args.num_train_timesteps < 1:
-        fail(f"--num-train-timesteps must be >= 1, got {args.num_train_timesteps}")
     if num_batches % args.updates_per_epoch:
         fail(f"{num_batches} micro-batches per GPU per epoch do not split into "
              f"--updates-per-epoch {args.updates_per_epoch}; change --updates-per-epoch "
@@ -756,11 +748,8 @@ if __name__ == "__main__":
                                                args.max_grad_norm, world, loss,
                                                f"epoch {epoch}, step {global_step}", run_dir)
                     global_step += 1
-                    if args.ema_every == 0 or args.ema_decay == 0:  # decay 0: EMA = LoRA
-                        decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))
-                        blend_snapshot(ema_params, lora_params, decay)
         # As upstream, the EMA moves every ema_every epochs; its warm-up counts epochs
-        if args.ema_decay > 0 and args.ema_every > 0 and (epoch + 1) % args.ema_every == 0:
+        if (epoch + 1) % args.ema_every == 0 or args.ema_decay == 0:  # decay 0: EMA = LoRA
             decay = min(args.ema_decay, (1 + epoch) / (10 + epoch))
             blend_snapshot(ema_params, lora_params, decay)
         # The snapshots move once per epoch, by decays that follow the optimizer steps
