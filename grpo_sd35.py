@@ -212,7 +212,7 @@ def check_args(args) -> dict | None:
     """Checks that need no weights; returns the checkpoint's state when resuming."""
     for name in ["epochs", "batch_size", "eval_batch_size", "train_batch_size", "updates_per_epoch",
                  "eval_every", "save_every", "group_size", "prompts_per_epoch", "num_steps",
-                 "eval_num_steps", "lora_rank"]:
+                 "eval_num_steps", "lora_rank", "num_train_timesteps", "ema_every"]:
         value = getattr(args, name, 1)  # not every script has every size
         if value < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
