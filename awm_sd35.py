@@ -762,7 +762,7 @@ if __name__ == "__main__":
             **extras,
             "charts/global_step": global_step,
             "charts/learning_rate": args.learning_rate,
-            "perf/images_per_sec": images_per_epoch / (epoch_seconds - eval_seconds),
+            "perf/images_per_sec": images_per_epoch / (reward_start - sampling_start),
             "perf/epoch_seconds": epoch_seconds,
             "perf/eval_seconds": eval_seconds,
             "perf/text_encoding_seconds": sampling_start - text_start,

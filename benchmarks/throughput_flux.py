@@ -36,7 +36,7 @@ from peft import LoraConfig
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "tests"), os.path.join(REPO, "benchmarks")]
 from dance_grpo_flux import (LORA_TARGETS, dance_sigmas, decode, image_ids,  # noqa: E402
-                             predict_velocity, rollout, unpack)
+                             predict_velocity, rollout)
 from sde import sde_step  # noqa: E402
 from throughput import (ATTENTION_BACKENDS, checkpoint_blocks, compile_blocks,  # noqa: E402
                         device_name, flops_of, matmul_peak, timed, timed_first,
@@ -170,16 +170,17 @@ def main(args: Args):
     state = {}
 
     def ours():
-        state["latents"], state["old_lp"], x0_hat = rollout(tr, noise, sigmas, "dance", 0.3, embeds,
-                                                            pooled, text_ids, img_ids, 3.5,
-                                                            autocast, gen)
-        return decode(pipe.vae, unpack(x0_hat, latent, latent))
+        cond = (embeds, pooled, text_ids, img_ids)  # every step an SDE step
+        latents, old_lp, x0_hat = rollout(tr, noise, sigmas, (0, args.num_steps), 0.3, cond, 3.5,
+                                          autocast, gen)
+        state["latents"], state["old_lp"] = torch.stack(latents, 1), torch.stack(old_lp, 1)
+        return decode(pipe, x0_hat, res)
 
     def diffusers_call():
         packed = pipe(prompt_embeds=embeds, pooled_prompt_embeds=pooled, latents=noise.to(dtype),
                       height=res, width=res, num_inference_steps=args.num_steps, guidance_scale=3.5,
                       output_type="latent").images
-        return decode(pipe.vae, unpack(packed, latent, latent))  # the same fp32 decode as ours
+        return decode(pipe, packed, res)  # the same fp32 decode as ours
 
     def dance_step():
         latents, old_lp = state["latents"], state["old_lp"]
