@@ -7,13 +7,13 @@ come from full fine-tuning (`--full-finetune`, README). PickScore: add `--reward
     torchrun --nproc_per_node 8 dance_grpo_flux.py --train-prompts hpd/train.txt \
         --test-prompts hpd/test.txt
 
-CPU demo on the toy world (a minute): README.md, "The toy world".
+CPU demo on the toy world (about a minute): README.md, "Running a script".
 
 Provenance: XueZeyue/DanceGRPO@15cc71d, fastvideo/train_grpo_flux.py unless named.
     dance_sigmas, sde.py's "dance"   sd3_time_shift, flux_step
     rollout, predict_velocity        run_sample_step (the timestep floored to 1/1000)
     the SDE window, draw_sde_window  MixGRPO; flow_grpo sd3_pipeline_with_logprob_fast.py
-    group_advantages, grpo_loss      train_one_step (--use_group), grpo_one_step
+    grpo_loss                        train_one_step (--use_group), grpo_one_step
     select_train_steps               train_one_step (the last step is never trained)
     LORA_TARGETS and the LoRA init   train_grpo_flux_lora.py
     shard_for_full_finetune          fastvideo/utils/fsdp_util.py (FSDP1 there)
@@ -49,7 +49,7 @@ from torch.distributed.fsdp import fully_shard
 from tqdm import tqdm
 
 import rewards
-from sde import sde_step, shift_sigmas
+from sde import group_advantages, sde_step, shift_sigmas
 
 @dataclass
 class Args:
@@ -190,15 +190,6 @@ def rollout(transformer, noise, sigmas, window, noise_level, cond, guidance_scal
             latents.append(x)
             log_probs.append(log_prob)
     return latents, log_probs, x0_hat
-
-def group_advantages(rewards, group_ids, eps: float = 1e-8) -> torch.Tensor:
-    """(reward - group mean) / (group std + eps), the std unbiased as upstream's torch .std();
-    rewards, group_ids: (N,). A group whose rewards are all equal gets zeros."""
-    rewards = rewards.double()
-    count = torch.bincount(group_ids).double()
-    centered = rewards - (torch.bincount(group_ids, rewards) / count)[group_ids]
-    group_var = torch.bincount(group_ids, centered**2) / (count - 1)
-    return (centered / (group_var.sqrt()[group_ids] + eps)).float()
 
 def select_train_steps(batch: int, num_steps: int, fraction: float, generator):
     """(batch, K) step indices: each sample's own random K = int((num_steps - 1) * fraction)
@@ -686,7 +677,8 @@ if __name__ == "__main__":
                            world, device)
         if reward_fn.group_transform is not None:  # groupwise rewards: whole groups
             all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
-        advantages = group_advantages(all_rewards, group_ids)
+        # upstream's per-group torch .std() (unbiased), eps 1e-8
+        advantages = group_advantages(all_rewards, group_ids, True, eps=1e-8, ddof=1)
         check_finite(f"epoch {epoch}", run_dir, reward=all_rewards, advantage=advantages)
         group_std = torch.stack([all_rewards[group_ids == group].std(unbiased=False)
                                  for group in range(args.prompts_per_epoch)])

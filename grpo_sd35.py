@@ -10,8 +10,6 @@ rescaled to any GPU count. PickScore: add `--reward pickscore --kl-beta 0.01`.
 CPU demo on the toy world (about a minute): README.md, "Running a script".
 
 Provenance: yifan123/flow_grpo (as mirrored at zhtmike/flow_grpo@9745241) unless named.
-    group_advantages      flow_grpo/stat_tracking.py, PerPromptStatTracker (global_std)
-    compute_advantages    GDPO, arXiv:2601.05242
     grpo_loss             scripts/train_sd3.py, the training loop (its KL since 2d76907)
     ratio_norm_log_ratio  scripts/train_sd3_GRPO_Guard.py, rationorm (arXiv:2510.22319)
     rollout               flow_grpo/diffusers_patch/sd3_pipeline_with_logprob.py
@@ -45,7 +43,7 @@ from PIL import Image
 from tqdm import tqdm
 
 import rewards
-from sde import flow_sigma_t, sde_step
+from sde import compute_advantages, flow_sigma_t, sde_step
 
 @dataclass
 class Args:
@@ -276,26 +274,6 @@ def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
     """Seeded from (seed, epoch, rank, ...): reproducible on resume, with no state to save."""
     seed = np.random.SeedSequence(list(keys)).generate_state(1)[0]
     return torch.Generator(device).manual_seed(int(seed))
-
-def group_advantages(rewards, group_ids, per_group_std: bool, eps: float = 1e-4):
-    """(reward - its group's mean) / (std + eps), all (N,); std: the population std of all
-    rewards (upstream's `global_std`) or of the group's."""
-    rewards = rewards.double()
-    count = torch.bincount(group_ids).double()
-    centered = rewards - (torch.bincount(group_ids, rewards) / count)[group_ids]
-    std = rewards.std(unbiased=False)
-    if per_group_std:
-        std = (torch.bincount(group_ids, centered**2) / count).sqrt()[group_ids]
-    return (centered / (std + eps)).float()
-
-def compute_advantages(rewards, components, weights, group_ids, aggregation, per_group_std):
-    """Advantages (N,). `gdpo` with several rewards: normalise each within its group, sum them
-    weighted, normalise the sum over the epoch."""
-    if aggregation == "sum" or len(components) <= 1:
-        return group_advantages(rewards, group_ids, per_group_std)
-    summed = sum(weight * group_advantages(components[name], group_ids, per_group_std=True)
-                 for name, weight in weights.items())
-    return (summed - summed.mean()) / (summed.std(unbiased=False) + 1e-4)
 
 @torch.no_grad()
 def encode(pipe, prompts: list[str], device, max_sequence_length: int):

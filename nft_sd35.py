@@ -14,8 +14,6 @@ count; GenEval, PickScore, HPS: `--beta 1.0 --decay-type 1 --updates-per-epoch 1
 CPU demo on the toy world (about a minute): README.md, "Running a script".
 
 Provenance: NVlabs/DiffusionNFT@24af555 unless named.
-    group_advantages      flow_grpo/stat_tracking.py, PerPromptStatTracker (global_std)
-    compute_advantages    GDPO, arXiv:2601.05242
     nft_loss              scripts/train_nft_sd3.py, the training loop
     old_decay             scripts/train_nft_sd3.py, return_decay
     dpm_sample            flow_grpo/diffusers_patch/solver.py, run_sampling ('dpm2')
@@ -48,7 +46,7 @@ from PIL import Image
 from tqdm import tqdm
 
 import rewards
-from sde import sde_step
+from sde import compute_advantages, sde_step
 
 @dataclass
 class Args:
@@ -289,26 +287,6 @@ def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
     """Seeded from (seed, epoch, rank, ...): reproducible on resume, with no state to save."""
     seed = np.random.SeedSequence(list(keys)).generate_state(1)[0]
     return torch.Generator(device).manual_seed(int(seed))
-
-def group_advantages(rewards, group_ids, per_group_std: bool, eps: float = 1e-4):
-    """(reward - its group's mean) / (std + eps), all (N,); std: the population std of all
-    rewards (upstream's `global_std`) or of the group's."""
-    rewards = rewards.double()
-    count = torch.bincount(group_ids).double()
-    centered = rewards - (torch.bincount(group_ids, rewards) / count)[group_ids]
-    std = rewards.std(unbiased=False)
-    if per_group_std:
-        std = (torch.bincount(group_ids, centered**2) / count).sqrt()[group_ids]
-    return (centered / (std + eps)).float()
-
-def compute_advantages(rewards, components, weights, group_ids, aggregation, per_group_std):
-    """Advantages (N,). `gdpo` with several rewards: normalise each within its group, sum them
-    weighted, normalise the sum over the epoch."""
-    if aggregation == "sum" or len(components) <= 1:
-        return group_advantages(rewards, group_ids, per_group_std)
-    summed = sum(weight * group_advantages(components[name], group_ids, per_group_std=True)
-                 for name, weight in weights.items())
-    return (summed - summed.mean()) / (summed.std(unbiased=False) + 1e-4)
 
 @torch.no_grad()
 def encode(pipe, prompts: list[str], device, max_sequence_length: int):

@@ -9,10 +9,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATE = "grpo_sd35.py"
 SD35_SCRIPTS = ["grpo_sd35.py", "nft_sd35.py", "awm_sd35.py", "crd_sd35.py"]
-SHARED = ["fail", "check_args", "load_prompts", "all_gather_cat", "seeded_generator",
-          "group_advantages", "compute_advantages", "encode", "predict_velocity", "rollout",
-          "decode", "optimizer_step", "save_checkpoint", "swapped", "adapters_disabled",
-          "prepare_run_dir", "rank_mean", "check_finite"]
+SHARED = ["fail", "check_args", "load_prompts", "all_gather_cat", "seeded_generator", "encode",
+          "predict_velocity", "rollout", "decode", "optimizer_step", "save_checkpoint", "swapped",
+          "adapters_disabled", "prepare_run_dir", "rank_mean", "clock", "check_finite"]
 SHARED_TAG, ALGO_TAG = "# TRY NOT TO MODIFY:", "# ALGO LOGIC:"
 ALGO_ARGS = "    # Algorithm-specific arguments"
 

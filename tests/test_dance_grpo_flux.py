@@ -7,12 +7,12 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from dance_grpo_flux import (dance_sigmas, decode, draw_sde_window, group_advantages, grpo_loss,
-                             image_ids, predict_velocity, rollout, select_train_steps)
+from dance_grpo_flux import (dance_sigmas, decode, draw_sde_window, grpo_loss, image_ids,
+                             predict_velocity, rollout, select_train_steps)
 from scripts_harness import (PROMPTS, TOY_REWARD, assert_bad_input, assert_common_run,
                              assert_eval_only_reproduces, cut_back_copy, lora_tensors,
                              read_metrics, run_script)
-from sde import sde_step
+from sde import group_advantages, sde_step
 
 SCRIPT = "dance_grpo_flux.py"
 
@@ -43,16 +43,21 @@ def assert_perf_logged(metrics: dict):
 
 
 # ---- units ----------------------------------------------------------------------------------
+def dance_advantages(rewards, groups):
+    """The script's call of sde.group_advantages: per-group unbiased std, eps 1e-8."""
+    return group_advantages(rewards, groups, True, eps=1e-8, ddof=1)
+
+
 def test_group_advantages_use_each_groups_unbiased_std():
     rewards = torch.tensor([1.0, 2.0, 3.0, 5.0, 4.0, 4.0])
     groups = torch.tensor([0, 0, 1, 1, 2, 2])
-    adv = group_advantages(rewards, groups)
+    adv = dance_advantages(rewards, groups)
     # group 0: mean 1.5, unbiased std sqrt(0.5); group 1: mean 4, std sqrt(2); group 2: equal
     half, two = math.sqrt(0.5), math.sqrt(2)
     want = torch.tensor([-0.5 / half, 0.5 / half, -1 / two, 1 / two, 0, 0])
     assert torch.allclose(adv, want, atol=1e-6)
     # a group of three: (r - 2) / 1 for rewards 1, 2, 3 (unbiased std 1), between another group
-    adv = group_advantages(torch.tensor([1.0, 10.0, 2.0, 30.0, 3.0]), torch.tensor([0, 1, 0, 1, 0]))
+    adv = dance_advantages(torch.tensor([1.0, 10.0, 2.0, 30.0, 3.0]), torch.tensor([0, 1, 0, 1, 0]))
     want = torch.tensor([-1.0, -1 / two, 0.0, 1 / two, 1.0])
     assert torch.allclose(adv, want, atol=1e-6)
 
@@ -61,8 +66,8 @@ def test_group_advantages_are_scale_free_and_sum_to_zero_per_group():
     rewards = torch.randn(24, generator=torch.Generator().manual_seed(0))
     order = torch.randperm(24, generator=torch.Generator().manual_seed(1))
     groups = torch.arange(2).repeat_interleave(12)[order]
-    adv = group_advantages(rewards, groups)
-    assert torch.allclose(adv, group_advantages(100 * rewards + 7, groups), atol=1e-5)
+    adv = dance_advantages(rewards, groups)
+    assert torch.allclose(adv, dance_advantages(100 * rewards + 7, groups), atol=1e-5)
     for g in range(2):
         assert adv[groups == g].sum().abs() < 1e-5
         assert adv[groups == g].std().item() == pytest.approx(1, abs=1e-5)

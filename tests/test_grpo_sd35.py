@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_sd35 import (compute_advantages, draw_sde_window, group_advantages, grpo_loss,
-                       predict_velocity, ratio_norm_log_ratio, rollout)
+from grpo_sd35 import (draw_sde_window, grpo_loss, predict_velocity, ratio_norm_log_ratio,
+                       rollout)
+from sde import compute_advantages, group_advantages
 from scripts_harness import (TOY_REWARD, TOY_SD3, assert_accuracy_rose, assert_bad_input,
                              assert_common_run, assert_eval_only_reproduces, cut_back_copy,
                              lora_tensors, read_metrics, run_script, tiny_sd35_flags, toy_flags)
