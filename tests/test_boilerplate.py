@@ -88,10 +88,7 @@ def test_the_template_tags_its_segments():
 
 @pytest.mark.parametrize("script", SD35_SCRIPTS + ["dance_grpo_flux.py"])
 def test_script_fits_800_lines(script):
-    lines = len(read(script).splitlines())
-    if script == "crd_sd35.py" and lines <= 835:  # README, Status: the cuts need a decision
-        pytest.xfail(f"crd_sd35.py has {lines} lines, over the 800 cap")
-    assert lines <= 800
+    assert len(read(script).splitlines()) <= 800
 
 
 @pytest.mark.parametrize("script", SD35_SCRIPTS + ["dance_grpo_flux.py"])
