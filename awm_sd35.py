@@ -566,7 +566,7 @@ if __name__ == "__main__":
     def run_eval(epoch: int, prefix: str = "eval/") -> dict:
         """ODE-sample the test prompts with the EMA weights and score them: prompt i on rank
         i % world, from noise seed i (the same images on any GPU count)."""
-        scores, sheet = [], {}
+        scores, sheet, thumbs = [], {}, {}
         transformer.eval()  # as in sampling: a compiled block's graph depends on the mode
         my_prompts = list(range(rank, len(test_prompts), world))
         for start in range(0, len(my_prompts), args.eval_batch_size):
@@ -586,12 +586,21 @@ if __name__ == "__main__":
                        for j in range(len(ids))]
             pixels = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
             sheet.update({i: image for i, image in zip(ids, pixels) if i < args.eval_sheet_size})
+            small = torch.nn.functional.interpolate(images, size=32, mode="area").flatten(1)
+            thumbs.update(zip(ids, small.cpu()))  # (3 * 32 * 32,) thumbnails
         if world > 1:
             gathered = [None] * world
-            dist.all_gather_object(gathered, (scores, sheet))
-            scores = [score for rank_scores, _ in gathered for score in rank_scores]
-            sheet = {i: image for _, rank_sheet in gathered for i, image in rank_sheet.items()}
+            dist.all_gather_object(gathered, (scores, sheet, thumbs))
+            scores = [score for rank_scores, _, _ in gathered for score in rank_scores]
+            sheet = {i: image for _, rank_sheet, _ in gathered for i, image in rank_sheet.items()}
+            thumbs = {i: small for *_, part in gathered for i, small in part.items()}
         means = {name: float(np.mean([score[name] for score in scores])) for name in scores[0]}
+        groups = [torch.stack([thumbs[i] for i in sorted(thumbs) if test_prompts[i] == text])
+                  for text in dict.fromkeys(test_prompts)]
+        distances = [torch.pdist(group).mean() / group.shape[1] ** 0.5
+                     for group in groups if len(group) > 1]
+        if distances:  # diversity: RMS pixel distance of two samples of one test prompt
+            means["diversity"] = float(torch.stack(distances).mean())
         if rank == 0:  # a contact sheet: a near-square grid, black cells end the last row
             cells = [sheet[i] for i in sorted(sheet)]
             cols = math.ceil(math.sqrt(len(cells)))
@@ -632,9 +641,8 @@ if __name__ == "__main__":
         transformer.eval()
         futures, rollouts = [], []
         for batch_groups in tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet, leave=False):
-            prompt_ids = [int(chosen[group]) for group in batch_groups]
-            prompts = [train_prompts[i] for i in prompt_ids]
-            meta = [train_meta[i] for i in prompt_ids]
+            prompts = [train_prompts[chosen[group]] for group in batch_groups]
+            meta = [train_meta[chosen[group]] for group in batch_groups]
             batch_text = (prompt_embeds[batch_groups], prompt_pooled[batch_groups])
             noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen,
                                 device=device)

@@ -1,5 +1,4 @@
-"""Centered Reward Distillation on Stable Diffusion 3.5 Medium: the LoRA's implicit
-reward, centered per prompt, regresses onto the centered external reward.
+"""Centered Reward Distillation on Stable Diffusion 3.5 Medium (see crd_loss).
 
 Paper: Centered Reward Distillation (CRD), https://arxiv.org/abs/2603.14128
 
@@ -9,8 +8,7 @@ The defaults are the paper's OCR run (Table 3, as upstream's PR #121 maps it):
 
 CPU demo on the toy world (about a minute): README.md, "Running a script".
 
-Provenance: X-GenGroup/Flow-Factory@a0b2bc5, trainers/crd.py (by the paper's first
-author) unless named.
+Provenance: X-GenGroup/Flow-Factory@a0b2bc5 (the first author's), trainers/crd.py, unless named.
     snapshot_decay          compute_decay (blend_snapshot: _blend_named_params)
     sigma_grid              set_scheduler_timesteps
     train_timesteps         utils/noise_schedule.py, TimeSampler.discrete
@@ -544,10 +542,6 @@ if __name__ == "__main__":
     eval_sigmas = sigma_grid(args.eval_num_steps, shift).to(device)
     eval_guidance_scale = args.guidance_scale
     train_sigmas = sigmas[:-1]  # every grid point but the clean 0
-    if rank == 0 and args.num_train_timesteps > len(train_sigmas):
-        eligible = [round(sigma, 4) for sigma in train_sigmas.tolist()]
-        print(f"note: --num-train-timesteps {args.num_train_timesteps} > {len(eligible)} eligible "
-              f"grid points {eligible}: each is trained several times per micro-batch")
     # fp32 LoRA copies: the implicit reward's reference, and the one that rolls out
     snapshots = {"old": [p.detach().clone() for p in lora_params],
                  "sampling": [p.detach().clone() for p in lora_params]}
@@ -580,7 +574,7 @@ if __name__ == "__main__":
     def run_eval(epoch: int, prefix: str = "eval/") -> dict:
         """ODE-sample the test prompts with the EMA weights and score them: prompt i on rank
         i % world, from noise seed i (the same images on any GPU count)."""
-        scores, sheet = [], {}
+        scores, sheet, thumbs = [], {}, {}
         transformer.eval()  # as in sampling: a compiled block's graph depends on the mode
         my_prompts = list(range(rank, len(test_prompts), world))
         for start in range(0, len(my_prompts), args.eval_batch_size):
@@ -600,12 +594,21 @@ if __name__ == "__main__":
                        for j in range(len(ids))]
             pixels = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
             sheet.update({i: image for i, image in zip(ids, pixels) if i < args.eval_sheet_size})
+            small = torch.nn.functional.interpolate(images, size=32, mode="area").flatten(1)
+            thumbs.update(zip(ids, small.cpu()))  # (3 * 32 * 32,) thumbnails
         if world > 1:
             gathered = [None] * world
-            dist.all_gather_object(gathered, (scores, sheet))
-            scores = [score for rank_scores, _ in gathered for score in rank_scores]
-            sheet = {i: image for _, rank_sheet in gathered for i, image in rank_sheet.items()}
+            dist.all_gather_object(gathered, (scores, sheet, thumbs))
+            scores = [score for rank_scores, _, _ in gathered for score in rank_scores]
+            sheet = {i: image for _, rank_sheet, _ in gathered for i, image in rank_sheet.items()}
+            thumbs = {i: small for *_, part in gathered for i, small in part.items()}
         means = {name: float(np.mean([score[name] for score in scores])) for name in scores[0]}
+        groups = [torch.stack([thumbs[i] for i in sorted(thumbs) if test_prompts[i] == text])
+                  for text in dict.fromkeys(test_prompts)]
+        distances = [torch.pdist(group).mean() / group.shape[1] ** 0.5
+                     for group in groups if len(group) > 1]
+        if distances:  # diversity: RMS pixel distance of two samples of one test prompt
+            means["diversity"] = float(torch.stack(distances).mean())
         if rank == 0:  # a contact sheet: a near-square grid, black cells end the last row
             cells = [sheet[i] for i in sorted(sheet)]
             cols = math.ceil(math.sqrt(len(cells)))
@@ -646,9 +649,8 @@ if __name__ == "__main__":
         transformer.eval()
         batches, futures = [], []
         for batch_groups in tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet, leave=False):
-            prompt_ids = [int(chosen[group]) for group in batch_groups]
-            prompts = [train_prompts[i] for i in prompt_ids]
-            meta = [train_meta[i] for i in prompt_ids]
+            prompts = [train_prompts[chosen[group]] for group in batch_groups]
+            meta = [train_meta[chosen[group]] for group in batch_groups]
             cond = (prompt_embeds[batch_groups], prompt_pooled[batch_groups], *neg)
             noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen,
                                 device=device)
@@ -716,10 +718,8 @@ if __name__ == "__main__":
                 stats["policy_loss"].append(policy_loss.item())
                 stats["kl_loss"].append(kl_loss.item())
                 stats["r_theta"].append(r_local.mean().item())
-                stats["old_deviate"].append(((v.detach() - v_old) ** 2).mean().item())
                 if v_teacher is not None:
                     stats["kl"].append(kl.mean().item())
-                    stats["old_kl"].append(((v_old - v_teacher) ** 2).mean().item())
                 micro_step += 1
                 if micro_step % accum_steps == 0:
                     grad_norm = optimizer_step(optimizer, scaler, lora_params,

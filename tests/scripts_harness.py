@@ -189,6 +189,9 @@ def assert_accuracy_rose(metrics: list[dict], min_gain: float):
     """
     before, after = metrics[0]["eval/reward_mean"], metrics[-1]["eval/final_reward_mean"]
     assert after - before >= min_gain, (before, after)
+    # the toy test file repeats each prompt: eval logs the diversity of its samples
+    diversity = metrics[0]["eval/diversity"], metrics[-1]["eval/final_diversity"]
+    assert all(0 < value < 1 for value in diversity), diversity
 
 
 def assert_eval_only_reproduces(run_dir: Path, trained_run: Path, epoch: int = 2):
