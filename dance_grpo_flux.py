@@ -317,7 +317,7 @@ def decode(pipe, latents, resolution: int) -> torch.Tensor:
 def evaluate(pipe, args, prompts, metadata, reward_fn, sigmas, img_ids, rank, world, device,
              autocast, shape):
     """ODE-sample the test prompts (i on rank i % world, seed i) -> (means, contact sheet)."""
-    scores, sheet = [], {}
+    scores, sheet, thumbs = [], {}, {}
     for start in range(rank, len(prompts), world * args.eval_batch_size):
         ids = range(start, len(prompts), world)[: args.eval_batch_size]  # this rank's next
         noise = torch.stack([torch.randn(shape, generator=seeded_generator(device, args.seed, i),
@@ -335,12 +335,21 @@ def evaluate(pipe, args, prompts, metadata, reward_fn, sigmas, img_ids, rank, wo
                    for j in range(len(ids))]
         pixels = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
         sheet.update({i: image for i, image in zip(ids, pixels) if i < args.eval_sheet_size})
+        small = torch.nn.functional.interpolate(images, size=32, mode="area").flatten(1)
+        thumbs.update(zip(ids, small.cpu()))  # (3 * 32 * 32,) thumbnails
     if world > 1:
         gathered = [None] * world
-        dist.all_gather_object(gathered, (scores, sheet))
-        scores = [score for rank_scores, _ in gathered for score in rank_scores]
-        sheet = {i: image for _, rank_sheet in gathered for i, image in rank_sheet.items()}
+        dist.all_gather_object(gathered, (scores, sheet, thumbs))
+        scores = [score for rank_scores, _, _ in gathered for score in rank_scores]
+        sheet = {i: image for _, rank_sheet, _ in gathered for i, image in rank_sheet.items()}
+        thumbs = {i: small for *_, part in gathered for i, small in part.items()}
     means = {name: float(np.mean([score[name] for score in scores])) for name in scores[0]}
+    groups = [torch.stack([thumbs[i] for i in sorted(thumbs) if prompts[i] == text])
+              for text in dict.fromkeys(prompts)]
+    distances = [torch.pdist(group).mean() / group.shape[1] ** 0.5
+                 for group in groups if len(group) > 1]
+    if distances:  # diversity: RMS pixel distance of two samples of one test prompt
+        means["diversity"] = float(torch.stack(distances).mean())
     images = [sheet[i] for i in sorted(sheet)]
     cols = math.ceil(math.sqrt(len(images)))  # near-square; black cells end the last row
     images += [np.zeros_like(images[0])] * (-len(images) % cols)
