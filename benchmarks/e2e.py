@@ -409,7 +409,7 @@ def summarize(epochs: list[dict], images: int, p: Passes, flops: tuple[int, int]
         "epoch_images_per_sec": images / without_eval_s if without_eval_s else None,
         "mfu": mfu, "tflop": {k: v / 1e12 for k, v in work.items()},
         "warmup_s": first["perf/epoch_seconds"] - epoch_s if len(epochs) > 1 else None,
-        "compile_warmup_s": first.get("perf/compile_warmup_seconds"),
+        "compiled_graphs": last.get("perf/compiled_graphs"),
         "peak_gib": max(e["perf/max_mem_gb"] for e in epochs) * 1e9 / 2**30,
     }
 
