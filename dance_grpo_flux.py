@@ -461,12 +461,6 @@ def clock(device) -> float:
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
-def compile_stats() -> tuple[int, float]:
-    """Graphs torch.compile has made so far, and the seconds it spent making them."""
-    metrics = torch._dynamo.utils.get_compilation_metrics()
-    seconds = sum(metric.entire_frame_compile_time_s or 0 for metric in metrics)
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"], seconds
-
 def check_finite(where: str, run_dir: str, **values):
     """Stop with one line naming the first non-finite value and the last checkpoint."""
     for name, value in values.items():
@@ -548,7 +542,7 @@ if __name__ == "__main__":
     accum_steps = num_batches // args.updates_per_epoch * num_train_steps
     sigmas = dance_sigmas(args.num_steps, args.shift).to(device)  # (T+1,) from 1 to 0
     eval_sigmas = dance_sigmas(args.eval_num_steps, args.shift).to(device)
-    if rank == 0:
+    if rank == 0 and not args.eval_only:
         devices = "GPU(s)" if device.type == "cuda" else "process(es)"
         print(f"{world} {devices} x {num_batches} micro-batches x {args.batch_size} = "
               f"{images_per_epoch} images/epoch ({args.prompts_per_epoch} prompts x "
@@ -601,14 +595,15 @@ if __name__ == "__main__":
     if args.track and rank == 0:
         import wandb
         wandb.init(project=args.wandb_project, entity=args.wandb_entity,
-                   name=os.path.basename(run_dir), config=vars(args), save_code=True)
+                   name=os.path.basename(run_dir), config=vars(args), save_code=True, dir=run_dir)
 
     def log(metrics: dict, epoch: int):
         if rank == 0:
             with open(os.path.join(run_dir, "metrics.jsonl"), "a") as file:
                 file.write(json.dumps({"epoch": epoch, **metrics}) + "\n")
-            if args.track:
-                wandb.log(metrics, step=epoch)
+            if args.track:  # the eval sheets as images, at the step of their epoch's line
+                wandb.log({name: wandb.Image(value) if name.endswith("sheet") else value
+                           for name, value in metrics.items()}, step=epoch)
 
     def run_eval(epoch: int, prefix: str = "eval/") -> dict:
         with swapped(params, ema_params):  # --ema-decay 0: the EMA is the live weights
@@ -620,8 +615,7 @@ if __name__ == "__main__":
             Image.fromarray(sheet).save(path)
             reward_name = args.eval_reward or args.reward
             print(f"eval after {epoch} epochs: {reward_name} = {means['reward_mean']:.4f}")
-            if args.track:
-                wandb.log({"eval/sheet": wandb.Image(path)}, step=epoch)
+            means["sheet"] = path
         return {prefix + name: value for name, value in means.items()}
 
     if args.eval_only:
@@ -748,7 +742,7 @@ if __name__ == "__main__":
         epoch_end = clock(device)
         epoch_seconds = epoch_end - epoch_start
         eval_seconds = text_start - epoch_start
-        compiled_graphs, compile_seconds = compile_stats()
+        compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux: KiB
         if device.type == "cuda":
             max_mem_gb = torch.cuda.max_memory_allocated(device) / 1e9
@@ -769,15 +763,11 @@ if __name__ == "__main__":
             "perf/reward_seconds": training_start - reward_start,
             "perf/training_seconds": epoch_end - training_start,
             "perf/compiled_graphs": compiled_graphs,
-            "perf/compile_seconds": compile_seconds,
             "perf/max_mem_gb": max_mem_gb,
         })
         if args.compile and epoch == start_epoch and rank == 0:
-            print(f"torch.compile: {compiled_graphs} graphs in {compile_seconds:.0f}s, once "
-                  "(later epochs reuse them)")
-        if epoch + 1 == args.epochs:
-            metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
-        log(metrics, epoch)
+            print(f"torch.compile: {compiled_graphs} graphs, compiled in this first epoch "
+                  f"({epoch_seconds:.0f}s); later epochs reuse them")
         if rank == 0 and (group_std == 0).all():  # warnings.warn: once per run
             warnings.warn("an epoch where every group's rewards are all equal: "
                           "zero advantages, nothing to learn")
@@ -788,6 +778,9 @@ if __name__ == "__main__":
             if "eval/reward_mean" in metrics:
                 line += f" | eval {metrics['eval/reward_mean']:.4f}"
             print(line)
+        if epoch + 1 == args.epochs:  # logged with the last epoch, printed after its line
+            metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
+        log(metrics, epoch)
         if (epoch + 1) % args.save_every == 0 or epoch + 1 == args.epochs:
             path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
             save_checkpoint(path, transformer, params, ema_params, optimizer, epoch + 1,

@@ -476,7 +476,7 @@ if __name__ == "__main__":
         fail("--ratio-norm needs --sde-kind flow "
              "(it normalises a Gaussian log-ratio; CPS's log-prob is not one)")
     accum_steps = num_batches // args.updates_per_epoch * num_train_steps
-    if rank == 0:
+    if rank == 0 and not args.eval_only:
         devices = "GPU(s)" if device.type == "cuda" else "process(es)"
         print(f"{world} {devices} x {num_batches} micro-batches x {args.batch_size} = "
               f"{images_per_epoch} images/epoch ({args.prompts_per_epoch} prompts x "
@@ -539,14 +539,15 @@ if __name__ == "__main__":
     if args.track and rank == 0:
         import wandb
         wandb.init(project=args.wandb_project, entity=args.wandb_entity,
-                   name=os.path.basename(run_dir), config=vars(args), save_code=True)
+                   name=os.path.basename(run_dir), config=vars(args), save_code=True, dir=run_dir)
 
     def log(metrics: dict, epoch: int):
         if rank == 0:
             with open(os.path.join(run_dir, "metrics.jsonl"), "a") as file:
                 file.write(json.dumps({"epoch": epoch, **metrics}) + "\n")
-            if args.track:
-                wandb.log(metrics, step=epoch)
+            if args.track:  # the eval sheets as images, at the step of their epoch's line
+                wandb.log({name: wandb.Image(value) if name.endswith("sheet") else value
+                           for name, value in metrics.items()}, step=epoch)
 
     @torch.no_grad()
     def run_eval(epoch: int, prefix: str = "eval/") -> dict:
@@ -596,8 +597,7 @@ if __name__ == "__main__":
             Image.fromarray(np.concatenate(rows, axis=0)).save(path)
             reward_name = args.eval_reward or args.reward
             print(f"eval after {epoch} epochs: {reward_name} = {means['reward_mean']:.4f}")
-            if args.track:
-                wandb.log({"eval/sheet": wandb.Image(path)}, step=epoch)
+            means["sheet"] = path
         return {prefix + name: value for name, value in means.items()}
 
     if args.eval_only:
@@ -760,9 +760,6 @@ if __name__ == "__main__":
         if args.compile and epoch == start_epoch and rank == 0:
             print(f"torch.compile: {compiled_graphs} graphs, compiled in this first epoch "
                   f"({epoch_seconds:.0f}s); later epochs reuse them")
-        if epoch + 1 == args.epochs:
-            metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
-        log(metrics, epoch)
         if rank == 0 and (group_std == 0).all():  # warnings.warn shows this once per run
             warnings.warn("an epoch where every group's rewards are all equal: "
                           "zero advantages, nothing to learn")
@@ -773,6 +770,9 @@ if __name__ == "__main__":
             if "eval/reward_mean" in metrics:
                 line += f" | eval {metrics['eval/reward_mean']:.4f}"
             print(line)
+        if epoch + 1 == args.epochs:  # logged with the last epoch, printed after its line
+            metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
+        log(metrics, epoch)
         if (epoch + 1) % args.save_every == 0 or epoch + 1 == args.epochs:
             if rank == 0:
                 path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")

@@ -50,16 +50,17 @@ def script_env() -> dict:
     return env
 
 
-def run_script(script: str, flags: list[str], nproc: int = 1, check: bool = True):
+def run_script(script: str, flags: list[str], nproc: int = 1, check: bool = True,
+               env: dict | None = None):
     """Run a training script to completion; returns its run directory (the only one under
-    --output-dir), or with check=False the finished process."""
+    --output-dir), or with check=False the finished process. env: variables to override."""
     if nproc == 1:
         command = [sys.executable, script]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc_per_node", str(nproc), script]
-    process = subprocess.run(command + flags, cwd=REPO, env=script_env(), capture_output=True,
-                             text=True, timeout=900)
+    process = subprocess.run(command + flags, cwd=REPO, env={**script_env(), **(env or {})},
+                             capture_output=True, text=True, timeout=900)
     if not check:
         return process
     assert process.returncode == 0, (f"{' '.join(command + flags)}\n"

@@ -29,7 +29,7 @@ def tiny_flux_flags(model: str, out, precision: str = "no") -> list[str]:
 
 
 PHASES = ["eval", "text_encoding", "sampling", "reward", "training"]
-PERF = ["images_per_sec", "epoch_seconds", "compiled_graphs", "compile_seconds", "max_mem_gb"]
+PERF = ["images_per_sec", "epoch_seconds", "compiled_graphs", "max_mem_gb"]
 
 
 def assert_perf_logged(metrics: dict):
@@ -219,7 +219,6 @@ def test_compiled_run_stays_on_policy_and_compiles_once(tiny_flux, tmp_path):
     metrics = assert_common_run(run_dir, epochs=3)
     graphs = [m["perf/compiled_graphs"] for m in metrics]
     assert graphs[0] > 0 and graphs == [graphs[0]] * 3, graphs  # epochs 1 and 2 reuse them
-    assert metrics[0]["perf/compile_seconds"] > 0
     for m in metrics:  # the default clip-range 1e-4: the script warns above 1e-5
         assert m["losses/on_policy_ratio_dev"] <= 1e-5
         assert_perf_logged(m)
