@@ -268,6 +268,8 @@ def check_args(args) -> dict | None:
         fail(f"--resume {args.resume!r} is not a checkpoint directory "
              "(no state.pt; hidden ones are unfinished saves)")
     state = torch.load(path, map_location="cpu")
+    if state.get("script") != os.path.basename(__file__):  # e.g. a CRD run's, in GRPO
+        fail(f"--resume {args.resume!r} is not a checkpoint of {os.path.basename(__file__)}")
     for flag in STATE_FLAGS:
         if state["args"][flag] != getattr(args, flag):
             fail(f"--{flag.replace('_', '-')} {getattr(args, flag)!r} differs from the "
@@ -392,7 +394,7 @@ def save_checkpoint(path, transformer, lora_params, ema_params, snapshots, optim
     torch.save({"lora": [p.detach().cpu() for p in lora_params],
                 "ema": [p.cpu() for p in ema_params], "optimizer": optimizer.state_dict(),
                 "next_epoch": next_epoch, "global_step": global_step, "args": asdict(args),
-                "extra": extra}, os.path.join(tmp, "state.pt"))
+                "extra": extra, "script": os.path.basename(__file__)}, f"{tmp}/state.pt")
     shutil.rmtree(path, ignore_errors=True)
     os.rename(tmp, path)
 
@@ -494,9 +496,8 @@ if __name__ == "__main__":
              f"--updates-per-epoch {args.updates_per_epoch}; change --updates-per-epoch "
              "or --batch-size")
     if args.center_by == "group" and math.gcd(args.group_size, world * args.batch_size) < 2:
-        fail(f"--group-size {args.group_size} and {world} GPUs x --batch-size "
-             f"{args.batch_size} leave a single image of a prompt in some micro-step; "
-             "make them share a factor >= 2")
+        fail(f"--group-size {args.group_size} and {world} GPUs x --batch-size {args.batch_size} "
+             "leave a single image of a prompt in some micro-step; give them a common factor")
     accum_steps = num_batches // args.updates_per_epoch * args.num_train_timesteps
     if rank == 0 and not args.eval_only:
         devices = "GPU(s)" if device.type == "cuda" else "process(es)"
@@ -543,8 +544,7 @@ if __name__ == "__main__":
     eval_guidance_scale = args.guidance_scale
     train_sigmas = sigmas[:-1]  # every grid point but the clean 0
     # fp32 LoRA copies: the implicit reward's reference, and the one that rolls out
-    snapshots = {"old": [p.detach().clone() for p in lora_params],
-                 "sampling": [p.detach().clone() for p in lora_params]}
+    snapshots = {name: [p.detach().clone() for p in lora_params] for name in ("old", "sampling")}
 
     # TRY NOT TO MODIFY: resume, logging, eval
     start_epoch, global_step = 0, 0

@@ -255,6 +255,8 @@ def check_args(args) -> dict | None:
         kind = "is not" if args.full_finetune else "is"
         fail(f"--resume {args.resume!r} {kind} a --full-finetune checkpoint: match the flag")
     state = torch.load(path, map_location="cpu")
+    if state.get("script") != os.path.basename(__file__):  # e.g. a GRPO run's, in DanceGRPO
+        fail(f"--resume {args.resume!r} is not a checkpoint of {os.path.basename(__file__)}")
     for flag in STATE_FLAGS:
         saved, given = state["args"][flag], getattr(args, flag)
         if saved != given:
@@ -390,7 +392,8 @@ def save_checkpoint(path, transformer, params, ema_params, optimizer, next_epoch
     """On all ranks; atomic (a hidden directory, renamed). LoRA: diffusers `lora/`, `ema_lora/`;
     --full-finetune: `dcp/` shards and, at the end, diffusers `(ema_)transformer/`."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
-    state = {"next_epoch": next_epoch, "global_step": global_step, "args": asdict(args)}
+    state = {"next_epoch": next_epoch, "global_step": global_step, "args": asdict(args),
+             "script": os.path.basename(__file__)}
     if args.full_finetune:
         dist.checkpoint.save(sharded_state(transformer, optimizer, ema_params),
                              checkpoint_id=f"{tmp}/dcp")

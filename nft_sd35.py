@@ -251,6 +251,8 @@ def check_args(args) -> dict | None:
         fail(f"--resume {args.resume!r} is not a checkpoint directory "
              "(no state.pt; hidden ones are unfinished saves)")
     state = torch.load(path, map_location="cpu")
+    if state.get("script") != os.path.basename(__file__):  # e.g. a CRD run's, in GRPO
+        fail(f"--resume {args.resume!r} is not a checkpoint of {os.path.basename(__file__)}")
     for flag in STATE_FLAGS:
         if state["args"][flag] != getattr(args, flag):
             fail(f"--{flag.replace('_', '-')} {getattr(args, flag)!r} differs from the "
@@ -375,7 +377,7 @@ def save_checkpoint(path, transformer, lora_params, ema_params, snapshots, optim
     torch.save({"lora": [p.detach().cpu() for p in lora_params],
                 "ema": [p.cpu() for p in ema_params], "optimizer": optimizer.state_dict(),
                 "next_epoch": next_epoch, "global_step": global_step, "args": asdict(args),
-                "extra": extra}, os.path.join(tmp, "state.pt"))
+                "extra": extra, "script": os.path.basename(__file__)}, f"{tmp}/state.pt")
     shutil.rmtree(path, ignore_errors=True)
     os.rename(tmp, path)
 

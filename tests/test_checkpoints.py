@@ -185,6 +185,9 @@ def test_resume_refuses_what_it_cannot_continue(tiny_sd3, tmp_path, grpo_lora_ru
                      "--lora-alpha 4 differs")
     assert_bad_input("grpo_sd35.py", base + LORA + ["--epochs", "1", "--resume", str(checkpoint)],
                      "not past")
+    # a checkpoint of grpo_sd35.py in any other script: refused before the model loads
+    for other in ["crd_sd35.py", "nft_sd35.py", "awm_sd35.py"]:
+        assert_bad_input(other, base + resume, "is not a checkpoint of " + other)
     hidden = run / "checkpoints" / ".epoch_00002.tmp"  # what a save that crashed leaves
     hidden.mkdir()
     (hidden / "state.pt").write_bytes((checkpoint / "state.pt").read_bytes())
@@ -199,6 +202,12 @@ def test_resume_refuses_what_it_cannot_continue(tiny_sd3, tmp_path, grpo_lora_ru
     assert [epoch["epoch"] for epoch in read_metrics(run)] == [0, 1] and not hidden.exists()
     assert (run / "checkpoints" / "epoch_00002" / "state.pt").is_file()
     assert not (tmp_path / "b").exists()
+
+
+def test_dance_refuses_an_sd35_checkpoint(tiny_flux, tmp_path, grpo_lora_run):
+    checkpoint = grpo_lora_run / "checkpoints" / "epoch_00001"
+    flags = tiny_flux_flags(tiny_flux, tmp_path) + ["--epochs", "2", "--resume", str(checkpoint)]
+    assert_bad_input("dance_grpo_flux.py", flags, "is not a checkpoint of dance_grpo_flux.py")
 
 
 def test_extra_reward_values_are_logged_and_flat_epochs_warn(tiny_sd3, tmp_path):
