@@ -220,8 +220,8 @@ def check_args(args) -> dict | None:
         vae = AutoencoderKL.load_config(args.model, subfolder="vae")
         transformer = SD3Transformer2DModel.load_config(args.model, subfolder="transformer")
     except Exception as error:
-        fail(f"model {args.model!r} is neither an existing local path nor a hub id like "
-             f"'org/name' with vae/ and transformer/ config.json ({type(error).__name__})")
+        fail(f"model {args.model!r}: no local pipeline directory, and the hub could not be "
+             f"read ({type(error).__name__}; offline? gated: accept the licence, hf auth login)")
     factor = 2 ** (len(vae["block_out_channels"]) - 1) * transformer.get("patch_size", 1)
     if args.resolution < 1 or args.resolution % factor:
         fail(f"--resolution {args.resolution} is not a multiple of {factor} "
@@ -252,7 +252,7 @@ def check_args(args) -> dict | None:
 def load_prompts(path: str) -> tuple[list[str], list[dict]]:
     """One prompt per line, or JSONL with a `prompt` field; returns prompts and metadata."""
     if not os.path.isfile(path):
-        fail(f"prompt file {path!r} does not exist")
+        fail(f"prompt file {path!r} does not exist (README.md, Prompt sets: how to fetch them)")
     with open(path, encoding="utf-8") as file:
         lines = [line.strip() for line in file if line.strip()]
     if not lines:

@@ -99,7 +99,7 @@ BAD = [
     (["--learning-rate", "-1e-3"], "--learning-rate must"),
     (["--epochs", "0"], "--epochs must be >= 1"),
     (["--resolution", "34"], "--resolution 34 is not a multiple of 4"),
-    (["--model", "/nonexistent/model"], "neither an existing local path"),
+    (["--model", "/nonexistent/model"], "no local pipeline directory"),
     (["--resume", "/tmp"], "not a checkpoint directory"),
 ]
 

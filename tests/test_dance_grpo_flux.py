@@ -294,7 +294,7 @@ def test_window_run_trains_only_the_window(tiny_flux, tmp_path, nproc):
     (["--sde-window-size", "3", "--sde-window-range", "0", "2"], "does not fit"),
     (["--train-prompts", "missing.txt"], "does not exist"),
     (["--reward", "no_such_reward"], "no_such_reward"),
-    (["--model", "/nonexistent/model"], "neither an existing local path"),
+    (["--model", "/nonexistent/model"], "no local pipeline directory"),
     (["--prompts-per-epoch", "3"], "do not split"),
     (["--updates-per-epoch", "3"], "--updates-per-epoch"),
     (["--group-size", "1", "--batch-size", "1"], "at least 2 images"),

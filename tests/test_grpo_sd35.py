@@ -380,7 +380,7 @@ def test_eval_guidance_scale_is_used_by_eval_only(tiny_sd3, tmp_path, one_proces
     (["--ratio-norm", "--sde-kind", "cps"], "--ratio-norm needs --sde-kind flow"),
     (["--train-prompts", "missing.txt"], "does not exist"),
     (["--reward", "no_such_reward"], "no_such_reward"),
-    (["--model", "/nonexistent/model"], "neither an existing local path"),
+    (["--model", "/nonexistent/model"], "no local pipeline directory"),
     (["--prompts-per-epoch", "3"], "do not split"),
     (["--updates-per-epoch", "3"], "--updates-per-epoch"),
     (["--reward", "ocr", "--train-prompts", "tests/assets/bad_ocr_prompts.txt"], "quoted"),
