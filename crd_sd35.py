@@ -568,8 +568,8 @@ if __name__ == "__main__":
             with open(os.path.join(run_dir, "metrics.jsonl"), "a") as file:
                 file.write(json.dumps({"epoch": epoch, **metrics}) + "\n")
             if args.track:  # the eval sheets as images, at the step of their epoch's line
-                wandb.log({name: wandb.Image(value) if name.endswith("sheet") else value
-                           for name, value in metrics.items()}, step=epoch)
+                wandb.log({name: wandb.Image(os.path.join(run_dir, value)) if name.endswith("sheet")
+                           else value for name, value in metrics.items()}, step=epoch)
 
     @torch.no_grad()
     def run_eval(epoch: int, prefix: str = "eval/") -> dict:
@@ -619,7 +619,7 @@ if __name__ == "__main__":
             Image.fromarray(np.concatenate(rows, axis=0)).save(path)
             reward_name = args.eval_reward or args.reward
             print(f"eval after {epoch} epochs: {reward_name} = {means['reward_mean']:.4f}")
-            means["sheet"] = path
+            means["sheet"] = os.path.basename(path)  # in the run directory
         return {prefix + name: value for name, value in means.items()}
 
     if args.eval_only:
