@@ -244,7 +244,7 @@ def check_args(args) -> dict | None:
         value = getattr(args, name, 1)  # not every script has every size
         if value < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.learning_rate < 0:
+    if not args.learning_rate >= 0:  # NaN fails too
         fail(f"--learning-rate must be >= 0, got {args.learning_rate}")
     try:  # the config files give the resolution's factor before the weights load
         vae = AutoencoderKL.load_config(args.model, subfolder="vae")

@@ -222,7 +222,7 @@ def check_args(args) -> dict | None:
                  "lora_rank"]:
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.learning_rate < 0:
+    if not args.learning_rate >= 0:  # NaN fails too
         fail(f"--learning-rate must be >= 0, got {args.learning_rate}")
     if args.group_size < 2:
         fail(f"--group-size {args.group_size}: a group needs at least 2 images for its std")

@@ -97,6 +97,7 @@ BAD = [
     (["--batch-size", "0"], "--batch-size must"),
     (["--eval-batch-size", "0"], "--eval-batch-size must"),
     (["--learning-rate", "-1e-3"], "--learning-rate must"),
+    (["--learning-rate", "nan"], "--learning-rate must"),
     (["--epochs", "0"], "--epochs must be >= 1"),
     (["--resolution", "34"], "--resolution 34 is not a multiple of 4"),
     (["--model", "/nonexistent/model"], "no local pipeline directory"),
