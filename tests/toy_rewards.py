@@ -7,8 +7,9 @@ fn(images (B, 3, H, W) in [0, 1], prompts, metadata) -> (scores (B,) float32 CPU
 `counting` is a verifiable GenEval-style reward for the toy world of tests/toy_world.py ("two red
 squares": 1-3 squares or triangles of one color on black). RL optimises whatever its judge lets
 through, so the detector is strict. The fill-ratio detector it replaces passed 45-degree diamonds
-and L-shapes as triangles, hollow squares as squares, and a correct image with a small extra object
-or ~30 colored specks beside it; NFT learned to draw lattices it sometimes scored as a triangle.
+and L-shapes as triangles, hollow squares as squares, a correct image with a small extra object or
+~30 colored specks beside it, and lattice garbage as 'a blue triangle' (6 of the 8 SD3 toy samples
+of that held-out prompt at CFG 4.5 are lattices; NFT runs drew more).
   - Object: a 4-connected component of bright, saturated pixels covering >= 2 % of the image.
   - Color: the most common palette hue among its pixels ('other' if most are off the palette);
     'mixed' if more than 10 % of its pixels have another palette hue.
@@ -188,9 +189,9 @@ def detect(image: torch.Tensor) -> tuple[list[Found], int]:
         crop = np.zeros((np.ptp(rows) + 1, np.ptp(cols) + 1), dtype=bool)
         crop[rows - rows.min(), cols - cols.min()] = True
         share = np.bincount(hue_label[rows, cols], minlength=len(names)) / len(pixels)
-        color = names[share.argmax()]  # the most common hue label
-        foreign = share[:len(COLORS)].sum() - share[share.argmax()] if color != "other" else 0.0
-        if foreign > MAX_FOREIGN_HUE:
+        color = names[share.argmax()]  # the most common hue
+        other_palette_hues = share[:len(COLORS)].sum() - share[:len(COLORS)].max()
+        if color != "other" and other_palette_hues > MAX_FOREIGN_HUE:
             color = "mixed"
         objects.append(Found(color, shape_of(crop, max(height, width)), len(pixels)))
         covered[rows, cols] = True
@@ -205,11 +206,12 @@ def _score(images, prompts, partial: bool):
         objects, debris = detect(image)
         checks = (len(objects) == count, all(o.color == color for o in objects),
                   all(o.shape == shape for o in objects))
-        # Debris zeroes partial credit too. A smaller penalty would pay a policy to smear a wrong
-        # object into specks: as an object it costs the count and color thirds.
-        clean = bool(objects) and debris <= MAX_DEBRIS * image.shape[1] * image.shape[2]
-        exact.append(float(clean and all(checks)))
-        scores.append(sum(checks) / 3 if partial and clean else exact[-1])
+        # Debris zeroes partial credit too. A wrong extra object keeps 1/3 (count and color fail);
+        # under a milder debris penalty, smearing it into specks would score more than drawing it.
+        scored = bool(objects) and debris <= MAX_DEBRIS * image.shape[1] * image.shape[2]
+        exact.append(float(scored and all(checks)))
+        partial_credit = sum(checks) / 3 if scored else 0.0
+        scores.append(partial_credit if partial else exact[-1])
         found.append(len(objects))
         debris_pixels.append(debris)
     info = {"objects_found": found, "debris_pixels": debris_pixels}
