@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -107,6 +108,9 @@ def run_env(device: str) -> dict:
     return env
 
 
+LOADING = threading.Lock()  # from_pretrained in two threads at once breaks (transformers patches torch globally)
+
+
 @torch.no_grad()
 def diversity(run_dir: str | None, script: str, device: str, samples: int = 8) -> float:
     """Mean pairwise L2 distance (pixels in [0, 1], per image) between `samples` images of each held-out prompt, from
@@ -158,9 +162,11 @@ def run(variant: str, seed: int, args: Args, workdir: str) -> dict:
         seconds += m["perf/epoch_seconds"]
     curve.append((epochs * per_epoch, seconds, metrics[-1]["eval/final_reward_mean"]))
     accuracy = [point[2] for point in curve]
+    with LOADING:
+        spread = diversity(run_dir, script, args.device)
     result = dict(variant=variant, seed=seed, command=cmd[1:], curve=curve, base=accuracy[0], best=max(accuracy),
                   final=accuracy[-1], collapse=accuracy[-1] - max(accuracy),
-                  diversity=diversity(run_dir, script, args.device), start=start, end=end)
+                  diversity=spread, start=start, end=end)
     print(f"{variant} seed {seed}: accuracy {result['base']:.3f} -> best {result['best']:.3f}, final "
           f"{result['final']:.3f}; diversity {result['diversity']:.4f}, {end - start:.0f}s", flush=True)
     return result
