@@ -8,7 +8,7 @@ SA-Solver rollouts, one optimizer step per epoch, rescaled to any GPU count. Gen
     torchrun --nproc_per_node 8 awm_sd35.py --train-prompts ocr/train.txt \
         --test-prompts ocr/test.txt
 
-CPU demo on the toy world (about a minute): README.md, "Running a script".
+CPU demo on the toy world (a few minutes): README.md, "Running a script".
 
 Provenance: scxue/advantage_weighted_matching@be51372 unless named.
     awm_log_prob          scripts/train_sd3_awm.py, compute_log_prob_awm

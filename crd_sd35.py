@@ -6,7 +6,7 @@ The defaults are the paper's OCR run (Table 3, as upstream's PR #121 maps it):
     torchrun --nproc_per_node 8 crd_sd35.py --kl-beta 0.1 \
         --train-prompts ocr/train.txt --test-prompts ocr/test.txt
 
-CPU demo on the toy world (about a minute): README.md, "Running a script".
+CPU demo on the toy world (a few minutes): README.md, "Running a script".
 
 Provenance: X-GenGroup/Flow-Factory@a0b2bc5 (the first author's), trainers/crd.py, unless named.
     snapshot_decay          compute_decay (blend_snapshot: _blend_named_params)

@@ -7,7 +7,7 @@ come from full fine-tuning (`--full-finetune`, README). PickScore: add `--reward
     torchrun --nproc_per_node 8 dance_grpo_flux.py --train-prompts hpd/train.txt \
         --test-prompts hpd/test.txt
 
-CPU demo on the toy world (about a minute): README.md, "Running a script".
+CPU demo on the toy world (a few minutes): README.md, "Running a script".
 
 Provenance: XueZeyue/DanceGRPO@15cc71d, fastvideo/train_grpo_flux.py unless named.
     dance_sigmas, sde.py's "dance"   sd3_time_shift, flux_step

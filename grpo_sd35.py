@@ -7,7 +7,7 @@ rescaled to any GPU count. PickScore: add `--reward pickscore --kl-beta 0.01`.
     torchrun --nproc_per_node 8 grpo_sd35.py --train-prompts ocr/train.txt \
         --test-prompts ocr/test.txt
 
-CPU demo on the toy world (about a minute): README.md, "Running a script".
+CPU demo on the toy world (a few minutes): README.md, "Running a script".
 
 Provenance: yifan123/flow_grpo (as mirrored at zhtmike/flow_grpo@9745241) unless named.
     grpo_loss             scripts/train_sd3.py, the training loop (its KL since 2d76907)

@@ -11,7 +11,7 @@ count; GenEval, PickScore, HPS: `--beta 1.0 --decay-type 1 --updates-per-epoch 1
     torchrun --nproc_per_node 8 nft_sd35.py --train-prompts ocr/train.txt \
         --test-prompts ocr/test.txt
 
-CPU demo on the toy world (about a minute): README.md, "Running a script".
+CPU demo on the toy world (a few minutes): README.md, "Running a script".
 
 Provenance: NVlabs/DiffusionNFT@24af555 unless named.
     nft_loss              scripts/train_nft_sd3.py, the training loop

@@ -6,11 +6,16 @@ the 18 training prompts with partial-credit counting, 96 images per epoch; eval 
 lines (6 held-out prompts, deterministic ODE from noise fixed per line, so an unchanged model scores the same).
 After each run its final LoRA is loaded into a fresh pipeline (`load_lora_weights`, as a user would) to measure
 diversity: 8 samples per held-out prompt, mean pairwise pixel L2 distance within a prompt (lower = mode collapse).
-Writes benchmarks/toy_learning.png (accuracy vs images and vs wall-clock) and prints the table of benchmarks/RESULTS.md
-section 2. Needs matplotlib (`pip install matplotlib`).
+Reports per variant the base, best and final held-out accuracy and final - best (how much of its best a run
+has lost by the end: collapse), and writes benchmarks/toy_learning.png (accuracy vs images and vs wall-clock; needs
+matplotlib, `--figure ""` skips it) and the table of benchmarks/RESULTS.md section 2.
 
-    python benchmarks/toy_learning.py                                # all variants, 3 seeds, 960 images (~25 min)
-    python benchmarks/toy_learning.py --variants nft grpo --seeds 0  # a subset
+The runs are parallel processes (`--jobs`), on the CPU (one thread each; the GPU hidden) or all on one GPU
+(`--device cuda`: the toy models are tiny, so one H200 holds eight runs at once).
+
+    python benchmarks/toy_learning.py                                 # all variants, 3 seeds, 960 images (CPU)
+    python benchmarks/toy_learning.py --variants nft grpo --seeds 42  # a subset
+    python benchmarks/toy_learning.py --images 4608 --eval-every 8 --device cuda --jobs 8  # the longer budget
 """
 
 import json
@@ -18,9 +23,11 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import tyro
@@ -29,9 +36,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 from scripts_harness import TOY_FLUX, TOY_SD3, toy_flags  # noqa: E402
 
-IMAGES_PER_EPOCH = 96  # toy_flags: 6 prompts x group 16
-# Per-variant flags on top of toy_flags. Each script's learning rate is the best of a sweep over {1e-3, 3e-3, 1e-2}
-# at seed 42 (5-10 epochs, RESULTS.md section 2); everything not listed is the script's default.
+# Per-variant flags on top of toy_flags (6 prompts x group 16 = 96 images per epoch): the README demos' recipes and
+# variants of them (RESULTS.md section 2); everything not listed is the script's default.
 GRPO = ["--batch-size", "16", "--updates-per-epoch", "1", "--guidance-scale", "1"]  # one on-policy update per epoch
 VARIANTS = {
     "grpo": ("grpo_sd35.py", GRPO + ["--learning-rate", "1e-3"]),
@@ -53,37 +59,60 @@ VARIANTS = {
 class Args:
     variants: list[str] = field(default_factory=lambda: list(VARIANTS))
     """which variants to run (keys of VARIANTS)"""
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
-    """seeds per variant"""
+    seeds: list[int] = field(default_factory=lambda: [42, 1, 2])
+    """seeds per variant (42: the scripts' default)"""
     images: int = 960
-    """sampled-image budget per run (identical for every variant; a multiple of 96)"""
+    """sampled-image budget per run (identical for every variant; a multiple of the images per epoch)"""
     eval_every: int = 2
-    """epochs between held-out evals (the accuracy-vs-images curve)"""
-    levels: list[float] = field(default_factory=lambda: [0.45, 0.5, 0.55])
+    """epochs between held-out evals (the accuracy-vs-images curve, and where "best" is looked for)"""
+    levels: list[float] = field(default_factory=lambda: [0.35, 0.4, 0.45])
     """accuracies for the "images to reach X" columns"""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """where every run trains: cpu (one thread per process, any GPU hidden) or cuda (all runs share the one GPU)"""
     jobs: int = 2
-    """runs in parallel (each with OMP_NUM_THREADS=1)"""
-    out: str = os.path.join(REPO, "benchmarks", "toy_learning.png")
-    """where the figure goes"""
-    log: str = os.path.join(REPO, "benchmarks", "toy_learning.jsonl")
-    """per-run results (one JSON line each), rewritten by every call"""
+    """runs in parallel, as separate processes"""
+    extra: list[str] = field(default_factory=list)
+    """flags appended to every run (e.g. smaller sizes for a smoke test)"""
+    figure: str | None = None
+    """where the figure goes ("": none; default benchmarks/toy_learning.png, toy_learning_<images>.png if not 960)"""
+    log: str | None = None
+    """per-run results, one JSON line each, rewritten by every call (default: the figure's name, .jsonl)"""
 
 
-def flags_of(variant: str) -> tuple[str, list[str]]:
-    script, extra = VARIANTS[variant]
+def flags_of(variant: str, extra: list[str] = ()) -> tuple[str, list[str]]:
+    """The variant's script and flags: toy_flags with the variant's and then `extra`'s values replacing its own."""
+    script, variant_flags = VARIANTS[variant]
     model = TOY_FLUX if "flux" in script else TOY_SD3
-    flags = toy_flags(model, "OUT") + extra
+    flags = toy_flags(model, "OUT")
     if "flux" in script:  # DanceGRPO has no KL term
         i = flags.index("--kl-beta")
         del flags[i:i + 2]
-    for flag in {f for f in extra if f.startswith("--")} & {f for f in toy_flags(model, "OUT") if f.startswith("--")}:
-        i = flags.index(flag)  # a variant's value replaces toy_flags' (argparse would keep the last; keep it tidy)
-        del flags[i:i + 2]
+    for overrides in (variant_flags, list(extra)):
+        for flag in {f for f in overrides if f.startswith("--")} & set(flags):
+            i = flags.index(flag)  # argparse would keep the last value; keep the command tidy
+            del flags[i:i + 2]
+        flags += overrides
     return script, flags
 
 
+def value(flags: list[str], flag: str) -> int:
+    return int(flags[flags.index(flag) + 1])
+
+
+def run_env(device: str) -> dict:
+    """A run's environment: offline, no wandb, one CPU thread per process. The scripts train on a GPU whenever they
+    see one, so the CPU mode hides it."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+LOADING = threading.Lock()  # from_pretrained in two threads at once breaks (transformers patches torch globally)
+
+
 @torch.no_grad()
-def diversity(run_dir: str, script: str, samples: int = 8) -> float:
+def diversity(run_dir: str | None, script: str, device: str, samples: int = 8) -> float:
     """Mean pairwise L2 distance (pixels in [0, 1], per image) between `samples` images of each held-out prompt, from
     the run's final LoRA loaded into a fresh pipeline (or the base model when run_dir is None)."""
     from diffusers import FluxPipeline, StableDiffusion3Pipeline
@@ -95,29 +124,32 @@ def diversity(run_dir: str, script: str, samples: int = 8) -> float:
     if run_dir is not None:
         (ckpt,) = sorted(os.listdir(os.path.join(run_dir, "checkpoints")))[-1:]
         pipe.load_lora_weights(os.path.join(run_dir, "checkpoints", ckpt, "lora"))
+    pipe.to(device)
     with open(os.path.join(REPO, "tests/assets/toy_test.txt")) as f:
         prompts = sorted(set(f.read().split("\n")) - {""})
     dists = []
-    for prompt in prompts:
+    for prompt in prompts:  # the noise is drawn on the CPU, so both devices start from the same noise
         images = pipe([prompt] * samples, num_inference_steps=10, height=32, width=32, max_sequence_length=24,
                       output_type="pt", generator=torch.Generator().manual_seed(0),
-                      **({} if flux else {"guidance_scale": 4.5})).images.flatten(1)
+                      **({} if flux else {"guidance_scale": 4.5})).images.flatten(1).float().cpu()
         d = torch.cdist(images, images) / images.shape[1] ** 0.5
         dists.append(d.sum() / (samples * (samples - 1)))
     return torch.stack(dists).mean().item()
 
 
 def run(variant: str, seed: int, args: Args, workdir: str) -> dict:
-    script, flags = flags_of(variant)
+    """One training run as its own process; returns its accuracy curve and summary."""
+    script, flags = flags_of(variant, args.extra)
+    per_epoch = value(flags, "--prompts-per-epoch") * value(flags, "--group-size")
+    epochs = args.images // per_epoch
     out = tempfile.mkdtemp(dir=workdir)
-    epochs = args.images // IMAGES_PER_EPOCH
     flags[flags.index("OUT")] = out
-    for flag, value in (("--eval-every", args.eval_every), ("--save-every", epochs)):
-        flags[flags.index(flag) + 1] = str(value)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="disabled", OMP_NUM_THREADS="1")
-    start = time.time()
+    for flag, number in (("--eval-every", args.eval_every), ("--save-every", epochs)):
+        flags[flags.index(flag) + 1] = str(number)
     cmd = [sys.executable, script, *flags, "--seed", str(seed), "--epochs", str(epochs)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, env=run_env(args.device), capture_output=True, text=True)
+    end = time.time()
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)}\n{proc.stderr[-3000:]}")
     (run_dir,) = [os.path.join(out, d) for d in os.listdir(out)]
@@ -126,62 +158,102 @@ def run(variant: str, seed: int, args: Args, workdir: str) -> dict:
     seconds, curve = 0.0, []
     for m in metrics:  # eval/reward_mean on epoch e's line = accuracy after e epochs (before that epoch's training)
         if "eval/reward_mean" in m:
-            curve.append((m["epoch"] * IMAGES_PER_EPOCH, seconds, m["eval/reward_mean"]))
+            curve.append((m["epoch"] * per_epoch, seconds, m["eval/reward_mean"]))
         seconds += m["perf/epoch_seconds"]
-    curve.append((epochs * IMAGES_PER_EPOCH, seconds, metrics[-1]["eval/final_reward_mean"]))
-    result = dict(variant=variant, seed=seed, curve=curve, diversity=diversity(run_dir, script),
-                  wall=time.time() - start)
-    print(f"{variant} seed {seed}: accuracy {curve[0][2]:.3f} -> {curve[-1][2]:.3f}, diversity "
-          f"{result['diversity']:.4f}, {result['wall']:.0f}s", flush=True)
+    curve.append((epochs * per_epoch, seconds, metrics[-1]["eval/final_reward_mean"]))
+    accuracy = [point[2] for point in curve]
+    with LOADING:
+        spread = diversity(run_dir, script, args.device)
+    result = dict(variant=variant, seed=seed, command=cmd[1:], curve=curve, base=accuracy[0], best=max(accuracy),
+                  final=accuracy[-1], collapse=accuracy[-1] - max(accuracy),
+                  diversity=spread, start=start, end=end)
+    print(f"{variant} seed {seed}: accuracy {result['base']:.3f} -> best {result['best']:.3f}, final "
+          f"{result['final']:.3f}; diversity {result['diversity']:.4f}, {end - start:.0f}s", flush=True)
     return result
 
 
-def main(args: Args):
+def launch(args: Args, workdir: str) -> list[dict]:
+    """Every (variant, seed) run, `args.jobs` processes at a time, on `args.device`."""
+    runs = [(variant, seed) for variant in args.variants for seed in args.seeds]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        return list(pool.map(lambda run_args: run(*run_args, args, workdir), runs))
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def std(xs: list[float]) -> float:
+    return (sum((x - mean(xs)) ** 2 for x in xs) / len(xs)) ** 0.5
+
+
+def table(args: Args, results: list[dict], base_diversity: dict) -> list[str]:
+    """The markdown table of RESULTS.md section 2, one row per variant (seed means)."""
+    lines = [f"{args.images} sampled images per run, seeds {', '.join(map(str, args.seeds))}, {args.device}; accuracy "
+             f"= exact held-out accuracy (96 samples), seed mean; best = the best eval (every {args.eval_every} "
+             f"epochs); gain = final - base (mean ± std over seeds); final - best < 0: lost by the end; diversity: "
+             f"base SD3 {base_diversity['grpo_sd35.py']:.4f}, base FLUX {base_diversity['dance_grpo_flux.py']:.4f}",
+             "",
+             "| variant | base | best | final | final − best | gain | per-seed gains | "
+             + " | ".join(f"images to {x:.0%}" for x in args.levels) + " | diversity | training s |",
+             "|---|---|---|---|---|---|---|" + "---|" * len(args.levels) + "---|---|"]
+    for variant in args.variants:
+        runs = [r for r in results if r["variant"] == variant]
+        images = [point[0] for point in runs[0]["curve"]]
+        curve = [mean(col) for col in zip(*[[point[2] for point in r["curve"]] for r in runs])]
+        seconds = mean([r["curve"][-1][1] for r in runs])
+        gains = [r["final"] - r["base"] for r in runs]
+        reach = [next((str(n) for n, a in zip(images, curve) if a >= x), "—") for x in args.levels]
+        stats = [mean([r[key] for r in runs]) for key in ("base", "best", "final", "collapse")]
+        lines.append(f"| {variant} | " + " | ".join(f"{x:.3f}" for x in stats[:3]) + f" | {stats[3]:+.3f} | "
+                     f"{mean(gains):+.3f} ± {std(gains):.3f} | {', '.join(f'{g:+.3f}' for g in gains)} | "
+                     + " | ".join(reach) + f" | {mean([r['diversity'] for r in runs]):.4f} | {seconds:.0f} |")
+    return lines
+
+
+def plot(args: Args, results: list[dict], path: str):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if unknown := set(args.variants) - set(VARIANTS):
-        sys.exit(f"error: unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
-    workdir = tempfile.mkdtemp()
-    base = {s: diversity(None, s) for s in {"grpo_sd35.py", "dance_grpo_flux.py"}}
-    with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda vs: run(*vs, args, workdir), [(v, s) for v in args.variants for s in args.seeds]))
-    with open(args.log, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in results)
-
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    std = lambda xs: (sum((x - mean(xs)) ** 2 for x in xs) / len(xs)) ** 0.5  # noqa: E731
     fig, (ax_img, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
-    print(f"\n{args.images} sampled images per run, {len(args.seeds)} seeds; accuracy = exact held-out accuracy "
-          f"(96 samples); gain = final - base (per seed: mean ± std); diversity: base SD3 {base['grpo_sd35.py']:.4f}, "
-          f"base FLUX {base['dance_grpo_flux.py']:.4f}\n")
-    print("| variant | base | final | gain | per-seed gains | " + " | ".join(f"images to {x:.0%}" for x in args.levels)
-          + " | diversity | training s |")
-    print("|---|---|---|---|---|" + "---|" * len(args.levels) + "---|---|")
     for i, variant in enumerate(args.variants):
         runs = [r for r in results if r["variant"] == variant]
-        images = [p[0] for p in runs[0]["curve"]]
-        acc = [mean(col) for col in zip(*[[p[2] for p in r["curve"]] for r in runs])]
-        secs = [mean(col) for col in zip(*[[p[1] for p in r["curve"]] for r in runs])]
-        lo, hi = ([f(col) for col in zip(*[[p[2] for p in r["curve"]] for r in runs])] for f in (min, max))
+        images = [point[0] for point in runs[0]["curve"]]
+        columns = list(zip(*[[point[2] for point in r["curve"]] for r in runs]))
+        accuracy, low, high = ([f(col) for col in columns] for f in (mean, min, max))
+        seconds = [mean(col) for col in zip(*[[point[1] for point in r["curve"]] for r in runs])]
         style = dict(color=f"C{i % 10}", ls="--" if "+" in variant or "-" in variant else "-")
-        for ax, x in ((ax_img, images), (ax_time, secs)):
-            ax.plot(x, acc, label=f"{variant} ({len(runs)} seeds)", **style)
-            ax.fill_between(x, lo, hi, color=style["color"], alpha=0.12)
-        gains = [r["curve"][-1][2] - r["curve"][0][2] for r in runs]
-        reach = [next((str(n) for n, a in zip(images, acc) if a >= x), "—") for x in args.levels]
-        print(f"| {variant} | {acc[0]:.3f} | {acc[-1]:.3f} | {mean(gains):+.3f} ± {std(gains):.3f} | "
-              f"{', '.join(f'{g:+.3f}' for g in gains)} | " + " | ".join(reach)
-              + f" | {mean([r['diversity'] for r in runs]):.4f} | {secs[-1]:.0f} |")
+        for ax, x in ((ax_img, images), (ax_time, seconds)):
+            ax.plot(x, accuracy, label=f"{variant} ({len(runs)} seeds)", **style)
+            ax.fill_between(x, low, high, color=style["color"], alpha=0.12)
     for ax, xlabel in ((ax_img, "sampled images"), (ax_time, "training wall-clock, seed mean (s)")):
         ax.set_xlabel(xlabel)
         ax.set_ylabel("held-out exact accuracy")
         ax.legend(fontsize=7)
-    fig.suptitle("Toy world: held-out accuracy, seed mean; bands = min-max over seeds")
+    fig.suptitle(f"Toy world, {args.images} images per run: held-out accuracy, seed mean; bands = min-max over seeds")
     fig.tight_layout()
-    fig.savefig(args.out, dpi=120)
+    fig.savefig(path, dpi=120)
+
+
+def main(args: Args) -> list[dict]:
+    if unknown := set(args.variants) - set(VARIANTS):
+        sys.exit(f"error: unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: --device cuda, but torch sees no GPU")
+    name = "toy_learning" + ("" if args.images == 960 else f"_{args.images}")
+    figure = os.path.join(REPO, "benchmarks", name + ".png") if args.figure is None else args.figure
+    log = args.log or (os.path.splitext(figure)[0] if figure else os.path.join(REPO, "benchmarks", name)) + ".jsonl"
+    workdir = tempfile.mkdtemp()
+    base = {script: diversity(None, script, args.device) for script in ("grpo_sd35.py", "dance_grpo_flux.py")}
+    results = launch(args, workdir)
+    with open(log, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in results)
+    print("\n" + "\n".join(table(args, results, base)))
+    if figure:
+        plot(args, results, figure)
+    return results
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def test_readme_has_one_demo_per_script():
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_readme_demo_is_accepted_and_the_docstring_points_to_it(script, tmp_path):
     doc = (REPO / script).read_text().split('"""')[1]
-    assert 'CPU demo on the toy world (about a minute): README.md, "Running a script".' in doc
+    assert 'CPU demo on the toy world (a few minutes): README.md, "Running a script".' in doc
     flags = readme_demos()[script]
     assert "tests/assets/toy-" in " ".join(flags)  # the toy world, not random weights
     flags = flags + ["--output-dir", str(tmp_path / "out")]  # the last --output-dir wins

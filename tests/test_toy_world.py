@@ -1,9 +1,10 @@
-"""Toy world: the rendered data, the verifiable counting reward, and the committed pretrained pipelines."""
+"""Toy world: the rendered data and the committed pretrained pipelines (the counting reward that
+scores them: tests/test_toy_rewards.py)."""
 
 import pytest
 import torch
 
-from toy_rewards import counting, counting_partial, detect, parse_prompt
+from toy_rewards import counting, parse_prompt
 from toy_world import ASSETS, render_batch, split
 
 TRAIN, TEST = split()
@@ -24,44 +25,9 @@ def test_prompt_files_match_the_split():
     assert sorted(set(lines)) == sorted(TEST) and len(lines) == 16 * len(TEST)
 
 
-def test_parse_prompt():
-    assert parse_prompt("two red squares") == (2, "red", "square")
-    assert parse_prompt("a blue square") == (1, "blue", "square")
-    with pytest.raises(ValueError, match="toy-world prompt"):
-        parse_prompt("a sign that says hi")
-
-
 def test_rendering_is_deterministic_by_seed():
     a, b, c = (render_batch(["three green triangles"], [s]) for s in (5, 5, 6))
     assert torch.equal(a, b) and not torch.equal(a, c)
-
-
-def test_ground_truth_scores_one_on_every_prompt():
-    prompts = [p for p in TRAIN + TEST for _ in range(10)]
-    images = render_batch(prompts, range(len(prompts)))
-    assert counting(images, prompts, None)[0].min() == 1.0
-    assert counting_partial(images, prompts, None)[0].min() == 1.0
-
-
-def test_blank_and_noise_score_zero():
-    prompts = TEST
-    for images in (torch.zeros(6, 3, 32, 32), torch.ones(6, 3, 32, 32), torch.full((6, 3, 32, 32), 0.5),
-                   torch.rand(6, 3, 32, 32, generator=torch.Generator().manual_seed(0))):
-        assert counting(images, prompts, None)[0].max() == 0.0
-        assert counting_partial(images, prompts, None)[0].max() == 0.0
-
-
-def test_wrong_count_color_or_shape_score_less():
-    image = render_batch(["two red squares"], [3])
-    detected = detect(image[0])
-    assert detected == ([("red", "square"), ("red", "square")], 0)
-    for wrong in ("three red squares", "a red square", "two blue squares", "two red triangles"):
-        assert counting(image, [wrong], None)[0].item() == 0.0
-        assert counting_partial(image, [wrong], None)[0].item() == pytest.approx(2 / 3)
-    # an extra object of another color breaks the color check only
-    mixed = torch.maximum(render_batch(["a red square"], [0]), render_batch(["a blue square"], [1]))
-    if len(detect(mixed[0])[0]) == 2:  # the two renders did not overlap
-        assert counting_partial(mixed, ["two red squares"], None)[0].item() == pytest.approx(2 / 3)
 
 
 @pytest.mark.parametrize("kind", ["sd3", "flux"])
@@ -79,10 +45,12 @@ def test_committed_pipelines_load_like_real_models_and_reconstruct_exactly(kind)
     assert out.shape == (2, 3, 32, 32) and torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("kind,guidance,low,high", [("sd3", 4.5, 0.30, 0.70), ("flux", None, 0.25, 0.70)])
+@pytest.mark.parametrize("kind,guidance,low,high", [("sd3", 4.5, 0.10, 0.60), ("flux", None, 0.15, 0.60)])
 def test_committed_pipelines_are_trained_but_leave_room(kind, guidance, low, high):
     """The diffusers pipeline as a user calls it (10 steps; SD3 at CFG 4.5, FLUX has no CFG) on 8 samples of each
-    held-out prompt: clearly trained (far above the 0 of an untrained model) and short of perfect, so RL has room."""
+    held-out prompt: clearly trained (far above the 0 of an untrained model) and short of perfect, so RL has room.
+    Measured with the strict counting reward: SD3 0.167, FLUX 0.271 (the fill-ratio reward it replaced: 0.396 and
+    0.312; 6 of SD3's 19 hits were lattice garbage for 'a blue triangle')."""
     from diffusers import FluxPipeline, StableDiffusion3Pipeline
 
     pipe = (StableDiffusion3Pipeline if kind == "sd3" else FluxPipeline).from_pretrained(f"{ASSETS}/toy-{kind}")
