@@ -1,21 +1,32 @@
-"""Learning on the toy world: every script, plus Flow-GRPO-Fast, GRPO-Guard and KL variants, at an equal image budget.
+"""Learning on the toy world: every script, plus Flow-GRPO-Fast, GRPO-Guard and KL variants,
+at an equal image budget.
 
-Each variant is launched exactly as a user would (subprocess, CPU, fp32) on the committed pretrained toy pipelines
-(tests/assets/toy-sd3 for the SD3.5 scripts, toy-flux for DanceGRPO) with tests/scripts_harness.py:toy_flags: train on
-the 18 training prompts with partial-credit counting, 96 images per epoch; eval = exact accuracy on the 96 held-out
-lines (6 held-out prompts, deterministic ODE from noise fixed per line, so an unchanged model scores the same).
-After each run its final LoRA is loaded into a fresh pipeline (`load_lora_weights`, as a user would) to measure
-diversity: 8 samples per held-out prompt, mean pairwise pixel L2 distance within a prompt (lower = mode collapse).
-Reports per variant the base, best and final held-out accuracy and final - best (how much of its best a run
-has lost by the end: collapse), and writes benchmarks/toy_learning.png (accuracy vs images and vs wall-clock; needs
-matplotlib, `--figure ""` skips it) and the table of benchmarks/RESULTS.md section 2.
+Each variant is launched exactly as a user would (subprocess, CPU, fp32) on the committed
+pretrained toy pipelines (tests/assets/toy-sd3 for the SD3.5 scripts, toy-flux for
+DanceGRPO) with tests/scripts_harness.py:toy_flags: train on the 18 training prompts with
+partial-credit counting, 96 images per epoch; eval = exact accuracy on the 96 held-out lines
+(6 held-out prompts, deterministic ODE from noise fixed per line, so an unchanged model
+scores the same).
 
-The runs are parallel processes (`--jobs`), on the CPU (one thread each; the GPU hidden) or all on one GPU
-(`--device cuda`: the toy models are tiny, so one H200 holds eight runs at once).
+After each run its final LoRA is loaded into a fresh pipeline (`load_lora_weights`, as a
+user would) to measure diversity: 8 samples per held-out prompt, mean pairwise pixel L2
+distance within a prompt (lower = mode collapse).
 
-    python benchmarks/toy_learning.py                                 # all variants, 3 seeds, 960 images (CPU)
-    python benchmarks/toy_learning.py --variants nft grpo --seeds 42  # a subset
-    python benchmarks/toy_learning.py --images 4608 --eval-every 8 --device cuda --jobs 8  # the longer budget
+Reports per variant the base, best and final held-out accuracy and final - best (how much of
+its best a run has lost by the end: collapse), and writes benchmarks/toy_learning.png
+(accuracy vs images and vs wall-clock; needs matplotlib, `--figure ""` skips it) and the
+table of benchmarks/RESULTS.md section 2.
+
+The runs are parallel processes (`--jobs`), on the CPU (one thread each; the GPU hidden) or
+all on one GPU (`--device cuda`: the toy models are tiny, so one H200 holds eight runs at
+once).
+
+    # all variants, 3 seeds, 960 images (CPU)
+    python benchmarks/toy_learning.py
+    # a subset
+    python benchmarks/toy_learning.py --variants nft grpo --seeds 42
+    # the longer budget
+    python benchmarks/toy_learning.py --images 4608 --eval-every 8 --device cuda --jobs 8
 """
 
 import json
@@ -36,22 +47,29 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 from scripts_harness import TOY_FLUX, TOY_SD3, toy_flags  # noqa: E402
 
-# Per-variant flags on top of toy_flags (6 prompts x group 16 = 96 images per epoch): the README demos' recipes and
-# variants of them (RESULTS.md section 2); everything not listed is the script's default.
-GRPO = ["--batch-size", "16", "--updates-per-epoch", "1", "--guidance-scale", "1"]  # one on-policy update per epoch
+# Per-variant flags on top of toy_flags (6 prompts x group 16 = 96 images per epoch): the
+# README demos' recipes and variants of them (RESULTS.md section 2); everything not listed is
+# the script's default. The GRPO variants make one on-policy update per epoch.
+GRPO = ["--batch-size", "16", "--updates-per-epoch", "1", "--guidance-scale", "1"]
 VARIANTS = {
     "grpo": ("grpo_sd35.py", GRPO + ["--learning-rate", "1e-3"]),
-    "grpo+kl": ("grpo_sd35.py", GRPO + ["--learning-rate", "1e-3", "--kl-beta", "0.04"]),  # the paper's KL
-    "grpo-fast": ("grpo_sd35.py", GRPO + ["--learning-rate", "1e-3", "--sde-window-size", "3", "--sde-window-range",
-                                          "0", "5", "--sde-kind", "cps", "--noise-level", "0.8", "--clip-range", "1e-5"]),
+    "grpo+kl": ("grpo_sd35.py", GRPO + [  # the paper's KL
+        "--learning-rate", "1e-3", "--kl-beta", "0.04"]),
+    "grpo-fast": ("grpo_sd35.py", GRPO + [
+        "--learning-rate", "1e-3", "--sde-window-size", "3", "--sde-window-range", "0", "5",
+        "--sde-kind", "cps", "--noise-level", "0.8", "--clip-range", "1e-5"]),
     "grpo-guard": ("grpo_sd35.py", GRPO + ["--learning-rate", "3e-3", "--ratio-norm"]),
     "nft": ("nft_sd35.py", ["--batch-size", "16", "--learning-rate", "3e-3"]),
-    "awm": ("awm_sd35.py", ["--batch-size", "16", "--train-batch-size", "8", "--anchor-beta", "0", "--sampler", "ode",
-                            "--learning-rate", "1e-3"]),
-    "crd": ("crd_sd35.py", ["--batch-size", "16", "--num-train-timesteps", "5", "--learning-rate", "3e-3"]),
-    "crd+kl": ("crd_sd35.py", ["--batch-size", "16", "--num-train-timesteps", "5", "--learning-rate", "3e-3",
-                               "--kl-beta", "0.1"]),  # the paper's KL
-    "dance": ("dance_grpo_flux.py", ["--batch-size", "16", "--updates-per-epoch", "1", "--learning-rate", "1e-3"]),
+    "awm": ("awm_sd35.py", [
+        "--batch-size", "16", "--train-batch-size", "8", "--anchor-beta", "0", "--sampler", "ode",
+        "--learning-rate", "1e-3"]),
+    "crd": ("crd_sd35.py", [
+        "--batch-size", "16", "--num-train-timesteps", "5", "--learning-rate", "3e-3"]),
+    "crd+kl": ("crd_sd35.py", [  # the paper's KL
+        "--batch-size", "16", "--num-train-timesteps", "5", "--learning-rate", "3e-3",
+        "--kl-beta", "0.1"]),
+    "dance": ("dance_grpo_flux.py", [
+        "--batch-size", "16", "--updates-per-epoch", "1", "--learning-rate", "1e-3"]),
 }
 
 
@@ -62,25 +80,31 @@ class Args:
     seeds: list[int] = field(default_factory=lambda: [42, 1, 2])
     """seeds per variant (42: the scripts' default)"""
     images: int = 960
-    """sampled-image budget per run (identical for every variant; a multiple of the images per epoch)"""
+    """sampled-image budget per run (identical for every variant; a multiple of the images per
+    epoch)"""
     eval_every: int = 2
-    """epochs between held-out evals (the accuracy-vs-images curve, and where "best" is looked for)"""
+    """epochs between held-out evals (the accuracy-vs-images curve, and where "best" is looked
+    for)"""
     levels: list[float] = field(default_factory=lambda: [0.35, 0.4, 0.45])
     """accuracies for the "images to reach X" columns"""
     device: Literal["cpu", "cuda"] = "cpu"
-    """where every run trains: cpu (one thread per process, any GPU hidden) or cuda (all runs share the one GPU)"""
+    """where every run trains: cpu (one thread per process, any GPU hidden) or cuda (all runs
+    share the one GPU)"""
     jobs: int = 2
     """runs in parallel, as separate processes"""
     extra: list[str] = field(default_factory=list)
     """flags appended to every run (e.g. smaller sizes for a smoke test)"""
     figure: str | None = None
-    """where the figure goes ("": none; default benchmarks/toy_learning.png, toy_learning_<images>.png if not 960)"""
+    """where the figure goes ("": none; default benchmarks/toy_learning.png,
+    toy_learning_<images>.png if not 960)"""
     log: str | None = None
-    """per-run results, one JSON line each, rewritten by every call (default: the figure's name, .jsonl)"""
+    """per-run results, one JSON line each, rewritten by every call (default: the figure's
+    name, .jsonl)"""
 
 
 def flags_of(variant: str, extra: list[str] = ()) -> tuple[str, list[str]]:
-    """The variant's script and flags: toy_flags with the variant's and then `extra`'s values replacing its own."""
+    """The variant's script and flags: toy_flags with the variant's and then `extra`'s values
+    replacing its own."""
     script, variant_flags = VARIANTS[variant]
     model = TOY_FLUX if "flux" in script else TOY_SD3
     flags = toy_flags(model, "OUT")
@@ -100,26 +124,28 @@ def value(flags: list[str], flag: str) -> int:
 
 
 def run_env(device: str) -> dict:
-    """A run's environment: offline, no wandb, one CPU thread per process. The scripts train on a GPU whenever they
-    see one, so the CPU mode hides it."""
+    """A run's environment: offline, no wandb, one CPU thread per process. The scripts train
+    on a GPU whenever they see one, so the CPU mode hides it."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="disabled", OMP_NUM_THREADS="1")
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
-LOADING = threading.Lock()  # from_pretrained in two threads at once breaks (transformers patches torch globally)
+# from_pretrained in two threads at once breaks (transformers patches torch globally)
+LOADING = threading.Lock()
 
 
 @torch.no_grad()
 def diversity(run_dir: str | None, script: str, device: str, samples: int = 8) -> float:
-    """Mean pairwise L2 distance (pixels in [0, 1], per image) between `samples` images of each held-out prompt, from
-    the run's final LoRA loaded into a fresh pipeline (or the base model when run_dir is None)."""
+    """Mean pairwise L2 distance (pixels in [0, 1], per image) between `samples` images of
+    each held-out prompt, from the run's final LoRA loaded into a fresh pipeline (or the base
+    model when run_dir is None)."""
     from diffusers import FluxPipeline, StableDiffusion3Pipeline
 
     flux = "flux" in script
-    pipe = (FluxPipeline if flux else StableDiffusion3Pipeline).from_pretrained(os.path.join(REPO, TOY_FLUX if flux
-                                                                                              else TOY_SD3))
+    cls = FluxPipeline if flux else StableDiffusion3Pipeline
+    pipe = cls.from_pretrained(os.path.join(REPO, TOY_FLUX if flux else TOY_SD3))
     pipe.set_progress_bar_config(disable=True)
     if run_dir is not None:
         (ckpt,) = sorted(os.listdir(os.path.join(run_dir, "checkpoints")))[-1:]
@@ -128,9 +154,11 @@ def diversity(run_dir: str | None, script: str, device: str, samples: int = 8) -
     with open(os.path.join(REPO, "tests/assets/toy_test.txt")) as f:
         prompts = sorted(set(f.read().split("\n")) - {""})
     dists = []
-    for prompt in prompts:  # the noise is drawn on the CPU, so both devices start from the same noise
-        images = pipe([prompt] * samples, num_inference_steps=10, height=32, width=32, max_sequence_length=24,
-                      output_type="pt", generator=torch.Generator().manual_seed(0),
+    # the noise is drawn on the CPU, so both devices start from the same noise
+    for prompt in prompts:
+        images = pipe([prompt] * samples, num_inference_steps=10, height=32, width=32,
+                      max_sequence_length=24, output_type="pt",
+                      generator=torch.Generator().manual_seed(0),
                       **({} if flux else {"guidance_scale": 4.5})).images.flatten(1).float().cpu()
         d = torch.cdist(images, images) / images.shape[1] ** 0.5
         dists.append(d.sum() / (samples * (samples - 1)))
@@ -156,7 +184,8 @@ def run(variant: str, seed: int, args: Args, workdir: str) -> dict:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
     seconds, curve = 0.0, []
-    for m in metrics:  # eval/reward_mean on epoch e's line = accuracy after e epochs (before that epoch's training)
+    # eval/reward_mean on epoch e's line = accuracy after e epochs (before that epoch's training)
+    for m in metrics:
         if "eval/reward_mean" in m:
             curve.append((m["epoch"] * per_epoch, seconds, m["eval/reward_mean"]))
         seconds += m["perf/epoch_seconds"]
@@ -164,11 +193,13 @@ def run(variant: str, seed: int, args: Args, workdir: str) -> dict:
     accuracy = [point[2] for point in curve]
     with LOADING:
         spread = diversity(run_dir, script, args.device)
-    result = dict(variant=variant, seed=seed, command=cmd[1:], curve=curve, base=accuracy[0], best=max(accuracy),
-                  final=accuracy[-1], collapse=accuracy[-1] - max(accuracy),
+    result = dict(variant=variant, seed=seed, command=cmd[1:], curve=curve,
+                  base=accuracy[0], best=max(accuracy), final=accuracy[-1],
+                  collapse=accuracy[-1] - max(accuracy),
                   diversity=spread, start=start, end=end)
-    print(f"{variant} seed {seed}: accuracy {result['base']:.3f} -> best {result['best']:.3f}, final "
-          f"{result['final']:.3f}; diversity {result['diversity']:.4f}, {end - start:.0f}s", flush=True)
+    print(f"{variant} seed {seed}: accuracy {result['base']:.3f} -> best {result['best']:.3f}, "
+          f"final {result['final']:.3f}; diversity {result['diversity']:.4f}, "
+          f"{end - start:.0f}s", flush=True)
     return result
 
 
@@ -189,13 +220,16 @@ def std(xs: list[float]) -> float:
 
 def table(args: Args, results: list[dict], base_diversity: dict) -> list[str]:
     """The markdown table of RESULTS.md section 2, one row per variant (seed means)."""
-    lines = [f"{args.images} sampled images per run, seeds {', '.join(map(str, args.seeds))}, {args.device}; accuracy "
-             f"= exact held-out accuracy (96 samples), seed mean; best = the best eval (every {args.eval_every} "
-             f"epochs); gain = final - base (mean ± std over seeds); final - best < 0: lost by the end; diversity: "
-             f"base SD3 {base_diversity['grpo_sd35.py']:.4f}, base FLUX {base_diversity['dance_grpo_flux.py']:.4f}",
+    lines = [f"{args.images} sampled images per run, seeds {', '.join(map(str, args.seeds))}, "
+             f"{args.device}; accuracy = exact held-out accuracy (96 samples), seed mean; "
+             f"best = the best eval (every {args.eval_every} epochs); "
+             f"gain = final - base (mean ± std over seeds); final - best < 0: lost by the end; "
+             f"diversity: base SD3 {base_diversity['grpo_sd35.py']:.4f}, "
+             f"base FLUX {base_diversity['dance_grpo_flux.py']:.4f}",
              "",
              "| variant | base | best | final | final − best | gain | per-seed gains | "
-             + " | ".join(f"images to {x:.0%}" for x in args.levels) + " | diversity | training s |",
+             + " | ".join(f"images to {x:.0%}" for x in args.levels)
+             + " | diversity | training s |",
              "|---|---|---|---|---|---|---|" + "---|" * len(args.levels) + "---|---|"]
     for variant in args.variants:
         runs = [r for r in results if r["variant"] == variant]
@@ -203,11 +237,15 @@ def table(args: Args, results: list[dict], base_diversity: dict) -> list[str]:
         curve = [mean(col) for col in zip(*[[point[2] for point in r["curve"]] for r in runs])]
         seconds = mean([r["curve"][-1][1] for r in runs])
         gains = [r["final"] - r["base"] for r in runs]
-        reach = [next((str(n) for n, a in zip(images, curve) if a >= x), "—") for x in args.levels]
+        reach = [next((str(n) for n, a in zip(images, curve) if a >= x), "—")
+                 for x in args.levels]
         stats = [mean([r[key] for r in runs]) for key in ("base", "best", "final", "collapse")]
-        lines.append(f"| {variant} | " + " | ".join(f"{x:.3f}" for x in stats[:3]) + f" | {stats[3]:+.3f} | "
-                     f"{mean(gains):+.3f} ± {std(gains):.3f} | {', '.join(f'{g:+.3f}' for g in gains)} | "
-                     + " | ".join(reach) + f" | {mean([r['diversity'] for r in runs]):.4f} | {seconds:.0f} |")
+        lines.append(f"| {variant} | "
+                     + " | ".join(f"{x:.3f}" for x in stats[:3])
+                     + f" | {stats[3]:+.3f} | {mean(gains):+.3f} ± {std(gains):.3f} | "
+                       f"{', '.join(f'{g:+.3f}' for g in gains)} | "
+                     + " | ".join(reach)
+                     + f" | {mean([r['diversity'] for r in runs]):.4f} | {seconds:.0f} |")
     return lines
 
 
@@ -232,7 +270,8 @@ def plot(args: Args, results: list[dict], path: str):
         ax.set_xlabel(xlabel)
         ax.set_ylabel("held-out exact accuracy")
         ax.legend(fontsize=7)
-    fig.suptitle(f"Toy world, {args.images} images per run: held-out accuracy, seed mean; bands = min-max over seeds")
+    fig.suptitle(f"Toy world, {args.images} images per run: held-out accuracy, seed mean; "
+                 f"bands = min-max over seeds")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -244,9 +283,11 @@ def main(args: Args) -> list[dict]:
         sys.exit("error: --device cuda, but torch sees no GPU")
     name = "toy_learning" + ("" if args.images == 960 else f"_{args.images}")
     figure = os.path.join(REPO, "benchmarks", name + ".png") if args.figure is None else args.figure
-    log = args.log or (os.path.splitext(figure)[0] if figure else os.path.join(REPO, "benchmarks", name)) + ".jsonl"
+    log = args.log or (os.path.splitext(figure)[0] if figure
+                       else os.path.join(REPO, "benchmarks", name)) + ".jsonl"
     workdir = tempfile.mkdtemp()
-    base = {script: diversity(None, script, args.device) for script in ("grpo_sd35.py", "dance_grpo_flux.py")}
+    base = {script: diversity(None, script, args.device)
+            for script in ("grpo_sd35.py", "dance_grpo_flux.py")}
     results = launch(args, workdir)
     with open(log, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in results)

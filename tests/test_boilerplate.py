@@ -2,6 +2,7 @@
 `diff grpo_sd35.py nft_sd35.py` shows only the algorithm. grpo_sd35.py is the template."""
 
 import ast
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,25 @@ def test_script_fits_100_columns(script):
     lines = read_tagged(script).splitlines()
     wide = [number for number, line in enumerate(lines, 1) if len(line) > 100]
     assert not wide, f"{script}: lines over 100 columns: {wide}"
+
+
+def test_every_python_file_fits_100_columns():
+    """The ≤ 100 columns rule holds for every tracked .py file: scripts, shared modules, tests,
+    benchmarks."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True,
+                                text=True, check=True).stdout.splitlines()
+        paths = [REPO / name for name in listed]
+    except (OSError, subprocess.CalledProcessError):  # no git, or not a checkout
+        # skip hidden folders: .venv, .git and local scratch copies hold no project files
+        paths = [path for path in REPO.rglob("*.py")
+                 if not any(part.startswith(".") for part in path.relative_to(REPO).parts)]
+    assert paths, "no .py files found"
+    wide = []
+    for path in sorted(paths):
+        if not path.exists():  # deleted in the work tree, not yet in the index
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if len(line) > 100:
+                wide.append(f"{path.relative_to(REPO)}:{number} ({len(line)})")
+    assert not wide, f"{len(wide)} lines over 100 columns: " + ", ".join(wide)

@@ -41,37 +41,45 @@ def test_committed_pipelines_load_like_real_models_and_reconstruct_exactly(kind)
     with torch.no_grad():  # the VAE alone: its reconstructions keep every object countable
         recon = pipe.vae.decode(pipe.vae.encode(images * 2 - 1).latent_dist.mode()).sample
     assert counting((recon / 2 + 0.5).clamp(0, 1), prompts, None)[0].mean() >= 0.95
-    out = pipe(TEST[:2], num_inference_steps=2, height=32, width=32, max_sequence_length=24, output_type="pt").images
+    out = pipe(TEST[:2], num_inference_steps=2, height=32, width=32, max_sequence_length=24,
+               output_type="pt").images
     assert out.shape == (2, 3, 32, 32) and torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("kind,guidance,low,high", [("sd3", 4.5, 0.10, 0.60), ("flux", None, 0.15, 0.60)])
+@pytest.mark.parametrize("kind,guidance,low,high",
+                         [("sd3", 4.5, 0.10, 0.60), ("flux", None, 0.15, 0.60)])
 def test_committed_pipelines_are_trained_but_leave_room(kind, guidance, low, high):
-    """The diffusers pipeline as a user calls it (10 steps; SD3 at CFG 4.5, FLUX has no CFG) on 8 samples of each
-    held-out prompt: clearly trained (far above the 0 of an untrained model) and short of perfect, so RL has room.
-    Measured with the strict counting reward: SD3 0.167, FLUX 0.271 (the fill-ratio reward it replaced: 0.396 and
-    0.312; 6 of SD3's 19 hits were lattice garbage for 'a blue triangle')."""
+    """The diffusers pipeline as a user calls it (10 steps; SD3 at CFG 4.5, FLUX has no CFG)
+    on 8 samples of each held-out prompt: clearly trained (far above the 0 of an untrained
+    model) and short of perfect, so RL has room. Measured with the strict counting reward:
+    SD3 0.167, FLUX 0.271 (the fill-ratio reward it replaced: 0.396 and 0.312; 6 of SD3's 19
+    hits were lattice garbage for 'a blue triangle')."""
     from diffusers import FluxPipeline, StableDiffusion3Pipeline
 
-    pipe = (StableDiffusion3Pipeline if kind == "sd3" else FluxPipeline).from_pretrained(f"{ASSETS}/toy-{kind}")
+    cls = StableDiffusion3Pipeline if kind == "sd3" else FluxPipeline
+    pipe = cls.from_pretrained(f"{ASSETS}/toy-{kind}")
     prompts = [p for p in TEST for _ in range(8)]
-    images = pipe(prompts, num_inference_steps=10, height=32, width=32, max_sequence_length=24, output_type="pt",
-                  generator=torch.Generator().manual_seed(0), **({"guidance_scale": guidance} if guidance else {})).images
+    images = pipe(prompts, num_inference_steps=10, height=32, width=32, max_sequence_length=24,
+                  output_type="pt", generator=torch.Generator().manual_seed(0),
+                  **({"guidance_scale": guidance} if guidance else {})).images
     accuracy = counting(images, prompts, None)[0].mean().item()
     assert low <= accuracy <= high, accuracy
 
 
 def test_build_script_writes_pipelines_the_scripts_load(tmp_path):
-    """`python tests/toy_world.py OUT` end to end at 2 steps per model: both pipelines load like the committed ones,
-    with the pooled-text path zeroed (the recipe's point) and the VAE's latent statistics in its config."""
+    """`python tests/toy_world.py OUT` end to end at 2 steps per model: both pipelines load
+    like the committed ones, with the pooled-text path zeroed (the recipe's point) and the
+    VAE's latent statistics in its config."""
     from diffusers import FluxPipeline, StableDiffusion3Pipeline
 
     from toy_world import build
 
     logs = []
-    sd3, flux = build(str(tmp_path), vae_steps=2, transformer_steps=2, flux_steps=2, batch=2, pool=16, log=logs.append)
+    sd3, flux = build(str(tmp_path), vae_steps=2, transformer_steps=2, flux_steps=2, batch=2,
+                      pool=16, log=logs.append)
     assert any("held-out accuracy" in line for line in logs)
     for cls, path in ((StableDiffusion3Pipeline, sd3), (FluxPipeline, flux)):
         pipe = cls.from_pretrained(path)
-        assert all((p == 0).all() for p in pipe.transformer.time_text_embed.text_embedder.parameters())
+        pooled_text_path = pipe.transformer.time_text_embed.text_embedder
+        assert all((p == 0).all() for p in pooled_text_path.parameters())
         assert pipe.vae.config.scaling_factor != 1.0
