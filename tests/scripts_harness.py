@@ -223,6 +223,7 @@ def assert_phases_add_up(metrics: dict):
     epoch = metrics["perf/epoch_seconds"]
     assert abs(sum(phases) - epoch) <= 0.1 * epoch + 0.5, (phases, epoch)
     assert metrics["perf/images_per_sec"] > 0 and metrics["perf/max_mem_gb"] > 0
+    assert metrics["perf/compiled_graphs"] >= 0  # 0 unless --compile
 
 
 def assert_common_run(run_dir: Path, epochs: int) -> list[dict]:

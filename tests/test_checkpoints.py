@@ -11,22 +11,13 @@ from peft import LoraConfig
 
 import dance_grpo_flux
 import grpo_sd35
-from scripts_harness import (PROMPTS, REPO, TOY_REWARD, ModelLoaded, assert_bad_input,
+from scripts_harness import (REPO, ModelLoaded, assert_bad_input,
                              cut_back_copy, read_metrics, run_script, tiny_sd35_flags)
+from test_dance_grpo_flux import tiny_flux_flags
 
 # LoRA scale alpha / rank = 2, and an EMA that differs from the LoRA
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--ema-decay", "0.5", "--learning-rate", "1e-2"]
 SD35_SCRIPTS = ["grpo_sd35.py", "nft_sd35.py", "awm_sd35.py", "crd_sd35.py"]
-
-
-def tiny_flux_flags(model, out) -> list[str]:
-    return ["--model", str(model), "--output-dir", str(out),
-            "--train-prompts", PROMPTS, "--test-prompts", PROMPTS, "--reward", TOY_REWARD,
-            "--resolution", "32", "--num-steps", "4", "--eval-num-steps", "3",
-            "--group-size", "4", "--prompts-per-epoch", "2",
-            "--batch-size", "4", "--eval-batch-size", "2",
-            "--eval-every", "1", "--save-every", "1",
-            "--max-sequence-length", "16", "--mixed-precision", "no"]
 
 
 def velocity(module, transformer, flux: bool) -> torch.Tensor:
