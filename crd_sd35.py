@@ -25,7 +25,6 @@ import resource
 import shutil
 import sys
 import time
-import warnings
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -33,8 +32,10 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 import numpy as np
+import diffusers
 import torch
 import torch.distributed as dist
+import transformers
 import tyro
 from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline
 from peft import LoraConfig
@@ -61,7 +62,7 @@ class Args:
     output_dir: str = "runs"
     """runs go to OUTPUT_DIR/RUN_NAME (metrics, eval sheets, checkpoints)"""
     resume: str | None = None
-    """checkpoint directory to continue from"""
+    """checkpoint directory to continue from; `latest`: this exp-name and seed's newest, if any"""
     eval_only: bool = False
     """only evaluate the EMA weights of --resume (or the base model), then exit"""
     # Model
@@ -79,7 +80,7 @@ class Args:
     """LoRA alpha (scale = alpha / rank)"""
     # Data and reward
     train_prompts: str = "prompts/train.txt"
-    """one prompt per line, or JSONL with a `prompt` field (the rest goes to the reward)"""
+    """one prompt per line (blank lines skipped), or JSONL: `prompt`, the rest to the reward"""
     test_prompts: str = "prompts/test.txt"
     """eval prompts, same format"""
     reward: str = "ocr"
@@ -111,7 +112,7 @@ class Args:
     """gradient-norm clip"""
     # Logging, eval, checkpoints
     eval_sheet_size: int = 16
-    """images of the first eval prompts in the contact sheet"""
+    """eval images in the contact sheet: a row per distinct test prompt, as many as fit"""
     # Algorithm-specific arguments (defaults: the paper's OCR run, Table 3)
     max_sequence_length: int = 256
     """T5 tokens per prompt"""
@@ -131,8 +132,6 @@ class Args:
     """advantages are clipped to +-adv_clip, then mapped to [0, 1] (see crd_loss)"""
     crd_beta: float = 1.0
     """implicit-reward scale in the regression crd_beta (r - r_mean) ~ a - a_mean"""
-    center_by: Literal["group", "batch"] = "group"
-    """centering set: a prompt's images in a micro-step, or all of them (upstream)"""
     old_decay: tuple[int, float, float, float] = (0, 0.25, 0.005, 0.999)
     """decay schedule S v0 k vmax of the old snapshot, the implicit reward's reference"""
     sampling_decay: tuple[int, float, float, float] = (75, 0.0, 0.0075, 0.999)
@@ -141,8 +140,6 @@ class Args:
     """weight of the KL to the base model with CFG --kl-cfg (see crd_loss)"""
     kl_cfg: float = 4.5
     """CFG scale of the KL teacher (the base model as used at inference)"""
-    reward_adaptive_kl: bool = True
-    """weight each image's KL by its advantage in [0, 1] (see crd_loss)"""
     ema_decay: float = 0.995
     """EMA decay of the LoRA used for eval and the saved `ema_lora` (0: off)"""
     ema_every: int = 10
@@ -185,15 +182,14 @@ def crd_implicit_reward(v, v_old, target):
     """(B,) -mean(err^2 / scale - err_old^2 / scale_old) of the flow-matching errors of
     the LoRA and the old snapshot, ~ log p(x0) - log p_old(x0). A scale, its error's
     detached mean |error| per image, keeps large errors from dominating."""
-    dims = tuple(range(1, v.dim()))
-    err = v.double() - target.double()
-    err_old = v_old.detach().double() - target.double()
-    scale = err.detach().abs().mean(dims, True).clamp_min(1e-5)
-    scale_old = err_old.detach().abs().mean(dims, True).clamp_min(1e-5)
-    return -(err**2 / scale - err_old**2 / scale_old).mean(dim=dims).float()
+    err = (v.double() - target.double()).flatten(1)  # (B, D)
+    err_old = (v_old.detach().double() - target.double()).flatten(1)
+    scale = err.detach().abs().mean(1, True).clamp_min(1e-5)
+    scale_old = err_old.detach().abs().mean(1, True).clamp_min(1e-5)
+    return -(err**2 / scale - err_old**2 / scale_old).mean(1).float()
 
 def crd_loss(r_local, r_gathered, advantages, group_ids, rank, world, v, v_teacher,
-             accum_steps, crd_beta, adv_clip, kl_beta, reward_adaptive_kl):
+             accum_steps, crd_beta, adv_clip, kl_beta):
     """One micro-step's loss; returns (loss to backward, policy loss, KL loss, KL).
 
     r_gathered, advantages, group_ids: (N,) for all ranks' micro-batches s, in rank order;
@@ -207,28 +203,21 @@ def crd_loss(r_local, r_gathered, advantages, group_ids, rank, world, v, v_teach
     - x world: a rank backpropagates only its own B of the N (the rest are gathered copies)
       and optimizer_step averages the ranks: the mean is the gradient over all N;
     - + kl_beta x the KL (B,) to the CFG teacher, weighted by floor + a (1 - floor),
-      floor = 1e-4 / kl_beta (1 without reward_adaptive_kl): good images stay near it;
-    - / accum_steps: an optimizer step sums accum_steps micro-steps' gradients."""
+      floor = 1e-4 / kl_beta: good images stay near it; their sum / accum_steps."""
     targets = advantages.clamp(-adv_clip, adv_clip) / (2 * adv_clip) + 0.5
-    start = rank * len(r_local)
-    mine = torch.arange(start, start + len(r_local), device=r_local.device)
+    mine = rank * len(r_local) + torch.arange(len(r_local), device=r_local.device)
     r_theta = r_gathered.index_copy(0, mine, r_local)  # (N,)
     policy_loss = r_theta.new_zeros(())
     for group in group_ids.unique():
         r_set, a_set = r_theta[group_ids == group], targets[group_ids == group]
-        weights = torch.full_like(a_set, 1 / len(a_set))
-        r_mean = (weights * r_set).sum().detach()
-        a_mean = (weights * a_set).sum()
-        residuals = crd_beta * (r_set - r_mean) - (a_set - a_mean)
+        residuals = crd_beta * (r_set - r_set.mean().detach()) - (a_set - a_set.mean())
         policy_loss = policy_loss + (residuals**2).sum()
     policy_loss = policy_loss / len(r_theta) * adv_clip / crd_beta
     kl_loss, kl = torch.zeros((), device=r_local.device), None
     if v_teacher is not None:
         kl = ((v - v_teacher) ** 2).mean(dim=tuple(range(1, v.dim())))  # (B,)
-        weight = 1.0
-        if reward_adaptive_kl:
-            floor = 1e-4 / kl_beta
-            weight = floor + targets[mine] * (1 - floor)
+        floor = 1e-4 / kl_beta
+        weight = floor + targets[mine] * (1 - floor)
         kl_loss = kl_beta * (weight * kl).mean()
     return (world * policy_loss + kl_loss) / accum_steps, policy_loss, kl_loss, kl
 
@@ -240,12 +229,27 @@ def check_args(args) -> dict | None:
     """Checks that need no weights; returns the checkpoint's state when resuming."""
     for name in ["epochs", "batch_size", "eval_batch_size", "train_batch_size", "updates_per_epoch",
                  "eval_every", "save_every", "group_size", "prompts_per_epoch", "num_steps",
-                 "eval_num_steps", "lora_rank", "num_train_timesteps", "ema_every"]:
+                 "eval_num_steps", "lora_rank", "num_train_timesteps", "ema_every",
+                 "max_sequence_length", "eval_sheet_size", "window_shift_every"]:
         value = getattr(args, name, 1)  # not every script has every size
-        if value < 1:
+        if value is not None and value < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if not args.learning_rate >= 0:  # NaN fails too
-        fail(f"--learning-rate must be >= 0, got {args.learning_rate}")
+    for name, value in vars(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+    ranges = {">= 0": lambda value: value >= 0, "> 0": lambda value: value > 0,
+              "in [0, 1)": lambda value: 0 <= value < 1, "in (0, 1]": lambda value: 0 < value <= 1}
+    limits = {"learning_rate": ">= 0", "weight_decay": ">= 0", "max_grad_norm": "> 0",
+              "kl_beta": ">= 0", "clip_range": ">= 0", "adv_clip": "> 0", "noise_level": ">= 0",
+              "ema_decay": "in [0, 1)", "timestep_fraction": "in (0, 1]"}
+    for name, allowed in limits.items():
+        value = getattr(args, name, 0.5)  # not every script has every value
+        if not ranges[allowed](value):
+            fail(f"--{name.replace('_', '-')} must be {allowed}, got {value}")
+    if args.mixed_precision == "fp16" and not torch.cuda.is_available():
+        fail("--mixed-precision fp16 needs a GPU (on CPU: bf16 or no)")
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        fail(f"--output-dir {args.output_dir!r} is a file")
     try:  # the config files give the resolution's factor before the weights load
         vae = AutoencoderKL.load_config(args.model, subfolder="vae")
         transformer = SD3Transformer2DModel.load_config(args.model, subfolder="transformer")
@@ -254,13 +258,17 @@ def check_args(args) -> dict | None:
              f"read ({type(error).__name__}; offline? gated: accept the licence, hf auth login)")
     factor = 2 ** (len(vae["block_out_channels"]) - 1) * transformer.get("patch_size", 1)
     if args.resolution < 1 or args.resolution % factor:
-        fail(f"--resolution {args.resolution} is not a multiple of {factor} "
+        fail(f"--resolution {args.resolution} is not a positive multiple of {factor} "
              "(VAE downsampling x patch size)")
     if args.track and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
         import wandb
         if not wandb.login(prompt=False):
             fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), "
                  "or WANDB_MODE=offline")
+    if args.resume == "latest":  # e.g. torchrun --max-restarts: start, or continue
+        runs = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__*")
+        saves = glob.glob(os.path.join(runs, "checkpoints", "epoch_*"))
+        args.resume = max(saves, key=os.path.getmtime, default=None)
     if not args.resume:
         return None
     path = os.path.join(args.resume, "state.pt")
@@ -289,10 +297,11 @@ def load_prompts(path: str) -> tuple[list[str], list[dict]]:
         fail(f"prompt file {path!r} is empty")
     if not path.endswith(".jsonl"):
         return lines, [{} for _ in lines]
-    rows = [json.loads(line) for line in lines]
-    if any("prompt" not in row for row in rows):
-        fail(f"every line of {path!r} needs a 'prompt' field")
-    return [row["prompt"] for row in rows], rows
+    try:
+        rows = [json.loads(line) for line in lines]
+        return [row["prompt"] for row in rows], rows
+    except (ValueError, TypeError, KeyError) as error:  # not JSON, not an object, no prompt
+        fail(f"every line of {path!r} must be a JSON object with a 'prompt' field ({error!r})")
 
 def all_gather_cat(tensor: torch.Tensor, world: int) -> torch.Tensor:
     """Concatenate an equally shaped tensor from every rank, in rank order."""
@@ -461,6 +470,9 @@ if __name__ == "__main__":
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
     quiet = rank != 0 or not sys.stderr.isatty()  # progress bars only on rank 0's terminal
+    if quiet:  # the model-loading bars too
+        diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
     try:  # a bad reward file, or a reward server not answering, fails here
         rewards.check_prompts(args.reward, train_prompts)
         rewards.check_prompts(args.eval_reward or args.reward, test_prompts)
@@ -486,16 +498,13 @@ if __name__ == "__main__":
         run_dir = os.path.dirname(parent)  # a resumed run continues in its own directory
 
     # ALGO LOGIC: from images to optimizer steps. The defaults on 8 GPUs: 48 prompts x 24
-    # images = 1152 images, 144 per GPU, in 18 micro-batches of 8. GPU k's micro-batch s
-    # holds images 64 s + 8 k to 64 s + 8 k + 7; image i shows prompt i // 24. So
-    # micro-batches 1 show prompts 2 to 5, each in >= gcd(24, 64) = 8 images. Each trains
-    # 20 timesteps, alike on all GPUs, a micro-step each. 2 updates per epoch: an
-    # optimizer step every 9 x 20 = 180 micro-steps (accum_steps).
+    # images = 1152, 144 per GPU in 18 micro-batches of 8. GPU k's micro-batch s holds
+    # images 64 s + 8 k to 64 s + 8 k + 7 (image i shows prompt i // 24), so micro-batches
+    # s show each of their prompts in >= gcd(24, 64) = 8 images, at 20 timesteps each.
     if num_batches % args.updates_per_epoch:
         fail(f"{num_batches} micro-batches per GPU per epoch do not split into "
-             f"--updates-per-epoch {args.updates_per_epoch}; change --updates-per-epoch "
-             "or --batch-size")
-    if args.center_by == "group" and math.gcd(args.group_size, world * args.batch_size) < 2:
+             f"--updates-per-epoch {args.updates_per_epoch}")
+    if math.gcd(args.group_size, world * args.batch_size) < 2:
         fail(f"--group-size {args.group_size} and {world} GPUs x --batch-size {args.batch_size} "
              "leave a single image of a prompt in some micro-step; give them a common factor")
     accum_steps = num_batches // args.updates_per_epoch * args.num_train_timesteps
@@ -542,8 +551,6 @@ if __name__ == "__main__":
     sigmas = sigma_grid(args.num_steps, shift).to(device)  # (T+1,) from 1 to 0
     eval_sigmas = sigma_grid(args.eval_num_steps, shift).to(device)
     eval_guidance_scale = args.guidance_scale
-    train_sigmas = sigmas[:-1]  # every grid point but the clean 0
-    # fp32 LoRA copies: the implicit reward's reference, and the one that rolls out
     snapshots = {name: [p.detach().clone() for p in lora_params] for name in ("old", "sampling")}
 
     # TRY NOT TO MODIFY: resume, logging, eval
@@ -575,7 +582,11 @@ if __name__ == "__main__":
     def run_eval(epoch: int, prefix: str = "eval/") -> dict:
         """ODE-sample the test prompts with the EMA weights and score them: prompt i on rank
         i % world, from noise seed i (the same images on any GPU count)."""
-        scores, sheet, thumbs = [], {}, {}
+        scores, sheet, thumbs, by_prompt = [], {}, {}, {}
+        for i, text in enumerate(test_prompts):  # the indices of each distinct test prompt
+            by_prompt.setdefault(text, []).append(i)
+        cols = math.ceil(math.sqrt(args.eval_sheet_size))  # a row: a prompt's first samples
+        sheet_ids = [i for ids in by_prompt.values() for i in ids[:cols]][: args.eval_sheet_size]
         transformer.eval()  # as in sampling: a compiled block's graph depends on the mode
         my_prompts = list(range(rank, len(test_prompts), world))
         for start in range(0, len(my_prompts), args.eval_batch_size):
@@ -594,7 +605,7 @@ if __name__ == "__main__":
             scores += [{name: float(values[j]) for name, values in columns.items()}
                        for j in range(len(ids))]
             pixels = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
-            sheet.update({i: image for i, image in zip(ids, pixels) if i < args.eval_sheet_size})
+            sheet.update({i: image for i, image in zip(ids, pixels) if i in sheet_ids})
             small = torch.nn.functional.interpolate(images, size=32, mode="area").flatten(1)
             thumbs.update(zip(ids, small.cpu()))  # (3 * 32 * 32,) thumbnails
         if world > 1:
@@ -604,15 +615,13 @@ if __name__ == "__main__":
             sheet = {i: image for _, rank_sheet, _ in gathered for i, image in rank_sheet.items()}
             thumbs = {i: small for *_, part in gathered for i, small in part.items()}
         means = {name: float(np.mean([score[name] for score in scores])) for name in scores[0]}
-        groups = [torch.stack([thumbs[i] for i in sorted(thumbs) if test_prompts[i] == text])
-                  for text in dict.fromkeys(test_prompts)]
+        groups = [torch.stack([thumbs[i] for i in ids]) for ids in by_prompt.values()]
         distances = [torch.pdist(group).mean() / group.shape[1] ** 0.5
                      for group in groups if len(group) > 1]
         if distances:  # diversity: RMS pixel distance of two samples of one test prompt
             means["diversity"] = float(torch.stack(distances).mean())
-        if rank == 0:  # a contact sheet: a near-square grid, black cells end the last row
-            cells = [sheet[i] for i in sorted(sheet)]
-            cols = math.ceil(math.sqrt(len(cells)))
+        if rank == 0:  # a contact sheet: rows of cols cells, black cells end the last row
+            cells = [sheet[i] for i in sheet_ids]
             cells += [np.zeros_like(cells[0])] * (-len(cells) % cols)
             rows = [np.concatenate(cells[i : i + cols], axis=1) for i in range(0, len(cells), cols)]
             path = os.path.join(run_dir, f"eval_{epoch:05d}.png")
@@ -679,21 +688,19 @@ if __name__ == "__main__":
                                  for group in range(args.prompts_per_epoch)])
         training_start = clock(device)
 
-        # ALGO LOGIC: training. A micro-step re-noises a micro-batch's x0 at one sigma and
-        # backpropagates crd_loss. Row s: all ranks' micro-batches s, in rank order
+        # ALGO LOGIC: training. A micro-step re-noises a micro-batch's x0 at one sigma > 0
+        # and backpropagates crd_loss. Row s: all ranks' micro-batches s, in rank order
         step_advantages = advantages.view(world, num_batches, -1).transpose(0, 1).flatten(1)
         step_advantages = step_advantages.to(device)  # (S, W*B)
         step_groups = (image_ids.flatten(1) // args.group_size).to(device)
-        if args.center_by == "batch":  # one centering set per micro-step
-            step_groups = torch.zeros_like(step_groups)
         transformer.train()
         time_gen = seeded_generator(device, args.seed, epoch, 1)  # alike on all ranks
         train_gen = seeded_generator(device, args.seed, epoch, rank, 1)
         stats = defaultdict(list)  # name -> a value per micro-step
-        first_r_theta_abs, micro_step = float("nan"), 0
+        micro_step = 0
         progress = tqdm(batches, f"epoch {epoch} training", disable=quiet, leave=False)
         for step, (cond, x0) in enumerate(progress):
-            for sigma in train_timesteps(train_sigmas, args.num_train_timesteps, time_gen):
+            for sigma in train_timesteps(sigmas[:-1], args.num_train_timesteps, time_gen):
                 noise = torch.randn(x0.shape, generator=train_gen, device=device)
                 x_t, target = (1 - sigma) * x0 + sigma * noise, noise - x0
                 with torch.no_grad(), autocast, swapped(lora_params, snapshots["old"]):
@@ -711,10 +718,10 @@ if __name__ == "__main__":
                 loss, policy_loss, kl_loss, kl = crd_loss(
                     r_local, r_gathered, step_advantages[step], step_groups[step], rank,
                     world, v, v_teacher, accum_steps, args.crd_beta, args.adv_clip,
-                    args.kl_beta, args.reward_adaptive_kl)
+                    args.kl_beta)
                 scaler.scale(loss).backward()
                 if micro_step == 0:  # exactly 0 while the old snapshot is the LoRA
-                    first_r_theta_abs = r_local.abs().max().item()
+                    metrics["losses/first_r_theta_abs"] = r_local.abs().max().item()
                 stats["policy_loss"].append(policy_loss.item())
                 stats["kl_loss"].append(kl_loss.item())
                 stats["r_theta"].append(r_local.mean().item())
@@ -726,7 +733,6 @@ if __name__ == "__main__":
                                                args.max_grad_norm, world, loss,
                                                f"epoch {epoch}, step {global_step}", run_dir)
                     global_step += 1
-        # As upstream, the EMA moves every ema_every epochs; its warm-up counts epochs
         if (epoch + 1) % args.ema_every == 0 or args.ema_decay == 0:  # decay 0: EMA = LoRA
             decay = min(args.ema_decay, (1 + epoch) / (10 + epoch))
             blend_snapshot(ema_params, lora_params, decay)
@@ -739,12 +745,10 @@ if __name__ == "__main__":
         # ALGO LOGIC: this algorithm's metrics and its part of the summary line
         losses = {f"losses/{name}": float(np.mean(values)) for name, values in stats.items()}
         metrics.update(rank_mean(losses, world, device))
-        metrics["losses/first_r_theta_abs"] = first_r_theta_abs
         metrics.update({f"charts/{name}_decay": decay for name, decay in decays.items()})
         kl = metrics.get("losses/kl", 0.0)  # none without a KL
         summary = (f"policy {metrics['losses/policy_loss']:.3e} kl {kl:.3e} | r_theta "
-                   f"{metrics['losses/r_theta']:.1e} | decay old {decays['old']:.3f} "
-                   f"sampling {decays['sampling']:.3f}")
+                   f"{metrics['losses/r_theta']:.1e} | old decay {decays['old']:.3f}")
 
         # TRY NOT TO MODIFY: shared metrics, final eval, the summary line, checkpoints
         epoch_end = clock(device)
@@ -772,12 +776,6 @@ if __name__ == "__main__":
             "perf/training_seconds": epoch_end - training_start,
             "perf/compiled_graphs": compiled_graphs,
             "perf/max_mem_gb": max_mem_gb})
-        if args.compile and epoch == start_epoch and rank == 0:
-            print(f"torch.compile: {compiled_graphs} graphs, compiled in this first epoch "
-                  f"({epoch_seconds:.0f}s); later epochs reuse them")
-        if rank == 0 and (group_std == 0).all():  # warnings.warn shows this once per run
-            warnings.warn("an epoch where every group's rewards are all equal: "
-                          "zero advantages, nothing to learn")
         if rank == 0:
             line = (f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± "
                     f"{metrics['reward/std']:.4f} | {summary} | "

@@ -12,7 +12,7 @@ CPU demo on the toy world (a few minutes): README.md, "Running a script".
 Provenance: XueZeyue/DanceGRPO@15cc71d, fastvideo/train_grpo_flux.py unless named.
     dance_sigmas, sde.py's "dance"   sd3_time_shift, flux_step
     rollout, predict_velocity        run_sample_step (the timestep floored to 1/1000)
-    the SDE window, draw_sde_window  MixGRPO; flow_grpo sd3_pipeline_with_logprob_fast.py
+    the SDE window (sde.py)          MixGRPO; flow_grpo sd3_pipeline_with_logprob_fast.py
     grpo_loss                        train_one_step (--use_group), grpo_one_step
     select_train_steps               train_one_step (the last step is never trained)
     LORA_TARGETS and the LoRA init   train_grpo_flux_lora.py
@@ -28,15 +28,16 @@ import resource
 import shutil
 import sys
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 import numpy as np
+import diffusers
 import torch
 import torch.distributed as dist
+import transformers
 import tyro
 from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
 from huggingface_hub import save_torch_state_dict
@@ -49,7 +50,7 @@ from torch.distributed.fsdp import fully_shard
 from tqdm import tqdm
 
 import rewards
-from sde import group_advantages, sde_step, shift_sigmas
+from sde import group_advantages, sde_step, sde_window, shift_sigmas
 
 @dataclass
 class Args:
@@ -67,7 +68,7 @@ class Args:
     output_dir: str = "runs"
     """runs are written to OUTPUT_DIR/RUN_NAME"""
     resume: str | None = None
-    """checkpoint directory to continue from"""
+    """checkpoint directory to continue from; `latest`: this exp-name and seed's newest, if any"""
     eval_only: bool = False
     """only evaluate (the EMA weights of --resume, or the base model), then exit"""
     # Model
@@ -89,7 +90,7 @@ class Args:
     """T5 tokens per prompt"""
     # Data and reward
     train_prompts: str = "prompts/train.txt"
-    """one prompt per line, or JSONL with a `prompt` field (the rest goes to the reward)"""
+    """one prompt per line (blank lines skipped), or JSONL: `prompt`, the rest to the reward"""
     test_prompts: str = "prompts/test.txt"
     """eval prompts, same format"""
     reward: str = "hpsv2"
@@ -113,6 +114,8 @@ class Args:
     """K > 0: SDE on K consecutive steps of each micro-batch (ODE elsewhere), all trained"""
     sde_window_range: tuple[int, int] | None = None
     """A B: the window lies in steps [A, B) (None: 0 and num_steps // 2)"""
+    window_shift_every: int | None = None
+    """N: the window slides every N epochs (MixGRPO; None: a random start per micro-batch)"""
     # Batch sizes (global ones do not depend on the GPU count)
     group_size: int = 12
     """images per prompt (a group: its rewards normalise each other)"""
@@ -139,7 +142,7 @@ class Args:
     eval_every: int = 50
     """evaluate every N epochs (and after the last)"""
     eval_sheet_size: int = 16
-    """images of the first eval prompts in the contact sheet"""
+    """eval images in the contact sheet: a row per distinct test prompt, as many as fit"""
     save_every: int = 50
     """checkpoint every N epochs (and after the last)"""
     # Algorithm-specific arguments (defaults: upstream's LoRA recipe)
@@ -160,14 +163,6 @@ STEP_STREAM, GROUP_NOISE_STREAM = 1, 2  # seed keys: separate random streams
 def dance_sigmas(num_steps: int, shift: float) -> torch.Tensor:
     """(num_steps + 1,) sigmas from 1 to 0: a uniform grid, time-shifted."""
     return shift_sigmas(torch.linspace(1, 0, num_steps + 1), shift)
-
-def draw_sde_window(size: int, window_range: tuple[int, int], num_steps: int, generator):
-    """Steps [start, start + size), start uniform in {A, ..., B - size}; size 0: all (the paper)."""
-    if size == 0:
-        return 0, num_steps
-    low, high = window_range
-    start = torch.randint(low, high - size + 1, (), generator=generator, device=generator.device)
-    return int(start), int(start) + size
 
 @torch.no_grad()
 def rollout(transformer, noise, sigmas, window, noise_level, cond, guidance_scale, autocast,
@@ -219,11 +214,25 @@ def check_args(args) -> dict | None:
     """Checks that need no weights; returns the --resume checkpoint's state."""
     for name in ["epochs", "batch_size", "eval_batch_size", "updates_per_epoch", "eval_every",
                  "save_every", "group_size", "prompts_per_epoch", "num_steps", "eval_num_steps",
-                 "lora_rank"]:
-        if getattr(args, name) < 1:
+                 "lora_rank", "max_sequence_length", "eval_sheet_size", "window_shift_every"]:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not args.learning_rate >= 0:  # NaN fails too
-        fail(f"--learning-rate must be >= 0, got {args.learning_rate}")
+    for name, value in vars(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+    ranges = {">= 0": lambda value: value >= 0, "> 0": lambda value: value > 0,
+              "in [0, 1)": lambda value: 0 <= value < 1, "in (0, 1]": lambda value: 0 < value <= 1}
+    limits = {"learning_rate": ">= 0", "weight_decay": ">= 0", "max_grad_norm": "> 0",
+              "kl_beta": ">= 0", "clip_range": ">= 0", "adv_clip": "> 0", "noise_level": ">= 0",
+              "ema_decay": "in [0, 1)", "timestep_fraction": "in (0, 1]"}
+    for name, allowed in limits.items():
+        value = getattr(args, name, 0.5)  # not every script has every value
+        if not ranges[allowed](value):
+            fail(f"--{name.replace('_', '-')} must be {allowed}, got {value}")
+    if args.mixed_precision == "fp16" and not torch.cuda.is_available():
+        fail("--mixed-precision fp16 needs a GPU (on CPU: bf16 or no)")
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        fail(f"--output-dir {args.output_dir!r} is a file")
     if args.group_size < 2:
         fail(f"--group-size {args.group_size}: a group needs at least 2 images for its std")
     lora_changed = (args.lora_rank, args.lora_alpha) != (Args.lora_rank, Args.lora_alpha)
@@ -238,13 +247,17 @@ def check_args(args) -> dict | None:
              f"read ({type(error).__name__}; offline? gated: accept the licence, hf auth login)")
     factor = 2 ** (len(vae["block_out_channels"]) - 1) * dit.get("patch_size", 1) * 2
     if args.resolution < 1 or args.resolution % factor:
-        fail(f"--resolution {args.resolution} is not a multiple of {factor} "
+        fail(f"--resolution {args.resolution} is not a positive multiple of {factor} "
              "(VAE downsampling x 2x2 packing)")
     if args.track and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
         import wandb
         if not wandb.login(prompt=False):
             fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), "
                  "or WANDB_MODE=offline")
+    if args.resume == "latest":  # e.g. torchrun --max-restarts: start, or continue
+        runs = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__*")
+        saves = glob.glob(os.path.join(runs, "checkpoints", "epoch_*"))
+        args.resume = max(saves, key=os.path.getmtime, default=None)
     if not args.resume:
         return None
     path = os.path.join(args.resume, "state.pt")
@@ -275,10 +288,11 @@ def load_prompts(path: str) -> tuple[list[str], list[dict]]:
         fail(f"prompt file {path!r} is empty")
     if not path.endswith(".jsonl"):
         return lines, [{} for _ in lines]
-    rows = [json.loads(line) for line in lines]
-    if any("prompt" not in row for row in rows):
-        fail(f"every line of {path!r} needs a 'prompt' field")
-    return [row["prompt"] for row in rows], rows
+    try:
+        rows = [json.loads(line) for line in lines]
+        return [row["prompt"] for row in rows], rows
+    except (ValueError, TypeError, KeyError) as error:  # not JSON, not an object, no prompt
+        fail(f"every line of {path!r} must be a JSON object with a 'prompt' field ({error!r})")
 
 def all_gather_cat(tensor: torch.Tensor, world: int) -> torch.Tensor:
     """Concatenate equally-shaped tensors of all ranks, in rank order."""
@@ -319,7 +333,11 @@ def decode(pipe, latents, resolution: int) -> torch.Tensor:
 def evaluate(pipe, args, prompts, metadata, reward_fn, sigmas, img_ids, rank, world, device,
              autocast, shape):
     """ODE-sample the test prompts (i on rank i % world, seed i) -> (means, contact sheet)."""
-    scores, sheet, thumbs = [], {}, {}
+    scores, sheet, thumbs, by_prompt = [], {}, {}, {}
+    for i, text in enumerate(prompts):  # the indices of each distinct test prompt
+        by_prompt.setdefault(text, []).append(i)
+    cols = math.ceil(math.sqrt(args.eval_sheet_size))  # a row: a prompt's first samples
+    sheet_ids = [i for ids in by_prompt.values() for i in ids[:cols]][: args.eval_sheet_size]
     for start in range(rank, len(prompts), world * args.eval_batch_size):
         ids = range(start, len(prompts), world)[: args.eval_batch_size]  # this rank's next
         noise = torch.stack([torch.randn(shape, generator=seeded_generator(device, args.seed, i),
@@ -336,7 +354,7 @@ def evaluate(pipe, args, prompts, metadata, reward_fn, sigmas, img_ids, rank, wo
         scores += [{name: float(values[j]) for name, values in columns.items()}
                    for j in range(len(ids))]
         pixels = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
-        sheet.update({i: image for i, image in zip(ids, pixels) if i < args.eval_sheet_size})
+        sheet.update({i: image for i, image in zip(ids, pixels) if i in sheet_ids})
         small = torch.nn.functional.interpolate(images, size=32, mode="area").flatten(1)
         thumbs.update(zip(ids, small.cpu()))  # (3 * 32 * 32,) thumbnails
     if world > 1:
@@ -346,14 +364,12 @@ def evaluate(pipe, args, prompts, metadata, reward_fn, sigmas, img_ids, rank, wo
         sheet = {i: image for _, rank_sheet, _ in gathered for i, image in rank_sheet.items()}
         thumbs = {i: small for *_, part in gathered for i, small in part.items()}
     means = {name: float(np.mean([score[name] for score in scores])) for name in scores[0]}
-    groups = [torch.stack([thumbs[i] for i in sorted(thumbs) if prompts[i] == text])
-              for text in dict.fromkeys(prompts)]
+    groups = [torch.stack([thumbs[i] for i in ids]) for ids in by_prompt.values()]
     distances = [torch.pdist(group).mean() / group.shape[1] ** 0.5
                  for group in groups if len(group) > 1]
     if distances:  # diversity: RMS pixel distance of two samples of one test prompt
         means["diversity"] = float(torch.stack(distances).mean())
-    images = [sheet[i] for i in sorted(sheet)]
-    cols = math.ceil(math.sqrt(len(images)))  # near-square; black cells end the last row
+    images = [sheet[i] for i in sheet_ids]  # rows of cols cells; black cells end the last
     images += [np.zeros_like(images[0])] * (-len(images) % cols)
     rows = [np.concatenate(images[i : i + cols], axis=1) for i in range(0, len(images), cols)]
     return means, np.concatenate(rows, axis=0)
@@ -488,6 +504,9 @@ if __name__ == "__main__":
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
     quiet = rank != 0 or not sys.stderr.isatty()  # progress bars: rank 0's terminal only
+    if quiet:  # the model-loading bars too
+        diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
     try:  # a bad reward file, or a reward server not answering, fails here
         rewards.check_prompts(args.reward, train_prompts)
         rewards.check_prompts(args.eval_reward or args.reward, test_prompts)
@@ -499,24 +518,12 @@ if __name__ == "__main__":
         fail(str(error))
     if args.full_finetune and len(test_prompts) % world:  # FSDP2: every rank runs every forward
         fail(f"--full-finetune: {len(test_prompts)} test prompts do not split into {world} GPUs")
-    if args.full_finetune and world == 1:  # fp32 weights, grads, AdamW's 2 moments: 16 B each
-        with torch.device("meta"):
-            config = FluxTransformer2DModel.load_config(args.model, subfolder="transformer")
-            model = FluxTransformer2DModel.from_config(config)
-            need = 16e-9 * sum(p.numel() for p in model.parameters())
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-        if device.type == "cuda":
-            have = torch.cuda.get_device_properties(device).total_memory / 1e9
-        if need > have:
-            fail(f"--full-finetune needs {need:.0f} GB (fp32 weights+grads+AdamW), "
-                 f"one {device.type} has {have:.0f} GB")
     images_per_epoch = args.prompts_per_epoch * args.group_size
     if images_per_epoch % (world * args.batch_size):
         fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split into "
              f"{world} GPUs x batch-size {args.batch_size}; change --prompts-per-epoch, "
              "--group-size or --batch-size")
-    local_images = images_per_epoch // world  # sampled by this rank per epoch
-    num_batches = local_images // args.batch_size
+    num_batches = images_per_epoch // world // args.batch_size  # per rank and epoch
     run_name = [f"{args.exp_name}__{args.seed}__{int(time.time())}"]
     if world > 1:
         dist.broadcast_object_list(run_name, src=0)
@@ -661,7 +668,8 @@ if __name__ == "__main__":
             else:
                 noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen,
                                     device=device)
-            window = draw_sde_window(window_size, window_range, args.num_steps, noise_gen)
+            window = sde_window(window_size, window_range, args.num_steps, noise_gen, epoch,
+                                args.window_shift_every)
             latents, log_probs, x0_hat = rollout(transformer, noise, sigmas, window,
                                                  args.noise_level, cond, args.guidance_scale,
                                                  autocast, noise_gen)
@@ -768,12 +776,6 @@ if __name__ == "__main__":
             "perf/compiled_graphs": compiled_graphs,
             "perf/max_mem_gb": max_mem_gb,
         })
-        if args.compile and epoch == start_epoch and rank == 0:
-            print(f"torch.compile: {compiled_graphs} graphs, compiled in this first epoch "
-                  f"({epoch_seconds:.0f}s); later epochs reuse them")
-        if rank == 0 and (group_std == 0).all():  # warnings.warn: once per run
-            warnings.warn("an epoch where every group's rewards are all equal: "
-                          "zero advantages, nothing to learn")
         if rank == 0:
             line = (f"epoch {epoch}: reward {metrics['reward/mean']:.4f} "
                     f"± {metrics['reward/std']:.4f} | {summary} "

@@ -2,8 +2,7 @@
 
 Paper: Flow-GRPO, https://arxiv.org/abs/2505.05470
 
-The defaults are the paper's OCR run (§B.3; upstream config/grpo.py::general_ocr_sd3),
-rescaled to any GPU count. PickScore: add `--reward pickscore --kl-beta 0.01`.
+The defaults are the paper's OCR run (§B.3, config/grpo.py::general_ocr_sd3) on any GPU count:
     torchrun --nproc_per_node 8 grpo_sd35.py --train-prompts ocr/train.txt \
         --test-prompts ocr/test.txt
 
@@ -11,9 +10,10 @@ CPU demo on the toy world (a few minutes): README.md, "Running a script".
 
 Provenance: yifan123/flow_grpo (as mirrored at zhtmike/flow_grpo@9745241) unless named.
     grpo_loss             scripts/train_sd3.py, the training loop (its KL since 2d76907)
-    ratio_norm_log_ratio  scripts/train_sd3_GRPO_Guard.py, rationorm (arXiv:2510.22319)
+    ratio_norm_log_ratio  scripts/train_sd3_GRPO_Guard.py, rationorm (arXiv:2510.22319; sde.py)
     rollout               flow_grpo/diffusers_patch/sd3_pipeline_with_logprob.py
-    draw_sde_window       the same with _fast.py (rollout's window: Flow-GRPO-Fast)
+    sde_window            the same with _fast.py (Flow-GRPO-Fast), and MixGRPO's (sde.py)
+    dppo_keep             Flow-DPPO, Tencent-Hunyuan/UniRL's flowdppo.py (sde.py)
     the prompt draw       scripts/train_sd3.py, DistributedKRepeatSampler
     the EMA               flow_grpo/ema.py, EMAModuleWrapper (update_step_interval 8)
 """
@@ -26,15 +26,17 @@ import resource
 import shutil
 import sys
 import time
-import warnings
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 import numpy as np
+import diffusers
 import torch
 import torch.distributed as dist
+import transformers
 import tyro
 from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline
 from peft import LoraConfig
@@ -43,7 +45,8 @@ from PIL import Image
 from tqdm import tqdm
 
 import rewards
-from sde import compute_advantages, flow_sigma_t, sde_step
+from sde import (compute_advantages, dppo_keep, flow_sigma_t, ratio_norm_log_ratio, sde_step,
+                 sde_window, step_kl)
 
 @dataclass
 class Args:
@@ -61,7 +64,7 @@ class Args:
     output_dir: str = "runs"
     """runs go to OUTPUT_DIR/RUN_NAME (metrics, eval sheets, checkpoints)"""
     resume: str | None = None
-    """checkpoint directory to continue from"""
+    """checkpoint directory to continue from; `latest`: this exp-name and seed's newest, if any"""
     eval_only: bool = False
     """only evaluate the EMA weights of --resume (or the base model), then exit"""
     # Model
@@ -79,7 +82,7 @@ class Args:
     """LoRA alpha (scale = alpha / rank)"""
     # Data and reward
     train_prompts: str = "prompts/train.txt"
-    """one prompt per line, or JSONL with a `prompt` field (the rest goes to the reward)"""
+    """one prompt per line (blank lines skipped), or JSONL: `prompt`, the rest to the reward"""
     test_prompts: str = "prompts/test.txt"
     """eval prompts, same format"""
     reward: str = "ocr"
@@ -111,16 +114,14 @@ class Args:
     """gradient-norm clip"""
     # Logging, eval, checkpoints
     eval_sheet_size: int = 16
-    """images of the first eval prompts in the contact sheet"""
+    """eval images in the contact sheet: a row per distinct test prompt, as many as fit"""
     # Algorithm-specific arguments (defaults: the paper's OCR run)
     max_sequence_length: int = 128
     """T5 tokens per prompt"""
     num_steps: int = 10
     """SDE steps per rollout"""
     guidance_scale: float = 4.5
-    """CFG scale of rollouts, training and KL forwards (1: no CFG anywhere)"""
-    eval_guidance_scale: float | None = None
-    """CFG scale of eval (None: --guidance-scale)"""
+    """CFG scale of rollouts, training, KL forwards and eval (1: no CFG anywhere)"""
     noise_level: float = 0.7
     """SDE noise a: sigma_t = a sqrt(sigma / (1 - sigma)) (flow), sin(a pi / 2) (cps)"""
     sde_kind: Literal["flow", "cps"] = "flow"
@@ -129,6 +130,8 @@ class Args:
     """K > 0: SDE on K consecutive steps, ODE elsewhere; train only those (Flow-GRPO-Fast)"""
     sde_window_range: tuple[int, int] | None = None
     """A B: the window lies in steps [A, B) (None: 0 and num_steps // 2)"""
+    window_shift_every: int | None = None
+    """N: the window slides every N epochs (MixGRPO; None: a random start per micro-batch)"""
     prompts_per_epoch: int = 48
     """prompts (groups) per epoch, over all GPUs"""
     batch_size: int = 9
@@ -139,12 +142,14 @@ class Args:
     """train the first int(num_steps * fraction) steps (the last one is too sharp)"""
     clip_range: float = 1e-4
     """PPO clip of the ratio (tiny: log-probs are means over elements, see sde.py)"""
+    trust_region: Literal["clip", "ratio-norm", "dppo"] = "clip"
+    """PPO's clip, of GRPO-Guard's normalised ratio (--sde-kind flow), or Flow-DPPO's KL mask"""
+    dppo_threshold: float = 1e-5
+    """dppo: the per-step KL (a mean over elements) above which aggressive moves drop"""
     adv_clip: float = 5.0
     """advantages are clipped to +-adv_clip"""
     kl_beta: float = 0.04
     """weight of the KL to the base model (see grpo_loss)"""
-    ratio_norm: bool = False
-    """GRPO-Guard's RatioNorm (see ratio_norm_log_ratio; needs --sde-kind flow)"""
     ema_decay: float = 0.9
     """EMA decay of the LoRA used for eval and the saved `ema_lora` (0: off)"""
     ema_interval: int = 8
@@ -158,49 +163,33 @@ LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.t
                 "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]
 STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other values
 
-# ALGO LOGIC: the GRPO loss, RatioNorm, the SDE window
+# ALGO LOGIC: the GRPO loss
 def grpo_loss(log_ratio, advantages, mean, ref_mean, sigma_t, step_divisor, accum_steps,
-              clip_range, adv_clip, kl_beta):
+              clip_range, adv_clip, kl_beta, keep=None):
     """One micro-step's loss; returns (loss to backward, policy loss, KL, ratio).
 
     log_ratio, advantages: (B,); mean, ref_mean: (B, C, h, w), the step's means under the
     policy and the base model (ref_mean None: no KL). The factors:
     - advantages clipped to +-adv_clip: a few outliers cannot dominate;
     - PPO's max(-A ratio, -A clip(ratio, 1 +- clip_range)) keeps off-policy updates near it;
-    - / step_divisor: 1, or the step's |dt| under RatioNorm, whose log-ratio has a gradient
-      ~|dt| per unit of velocity: every step then weighs the same;
-    - + kl_beta * KL to the base model, to stay near it. Upstream's, not the paper's Eq. 10:
-      mean((mu - mu_ref)^2) / (2 sigma_t^2), sigma_t without sqrt(-dt); the exact Gaussian
-      KL sums over elements and divides by sigma_t^2 |dt|;
+      Flow-DPPO's `keep` mask (sde.py dppo_keep) instead: -A ratio where keep, else 0;
+    - / step_divisor: 1, or the step's |dt| under RatioNorm (its log-ratio's gradient ~|dt|
+      per unit of velocity): every step then weighs the same;
+    - + kl_beta * upstream's KL to the base model, mean((mu - mu_ref)^2) / (2 sigma_t^2),
+      sigma_t without sqrt(-dt) (the exact KL sums over elements, divides by sigma_t^2 |dt|);
     - / accum_steps: an optimizer step sums accum_steps micro-steps' gradients."""
     advantages = advantages.clamp(-adv_clip, adv_clip)
     ratio = torch.exp(log_ratio)
-    clipped_ratio = ratio.clamp(1 - clip_range, 1 + clip_range)
-    policy_loss = torch.maximum(-advantages * ratio, -advantages * clipped_ratio).mean()
+    if keep is None:
+        clipped_ratio = ratio.clamp(1 - clip_range, 1 + clip_range)
+        policy_loss = torch.maximum(-advantages * ratio, -advantages * clipped_ratio).mean()
+    else:  # a dropped term still counts in the mean, as upstream
+        policy_loss = torch.where(keep, -advantages * ratio, 0.0).mean()
     policy_loss = policy_loss / step_divisor
     kl = torch.zeros((), device=log_ratio.device)
     if ref_mean is not None:
         kl = (((mean - ref_mean) ** 2).mean(dim=(1, 2, 3)) / (2 * sigma_t**2)).mean()
     return (policy_loss + kl_beta * kl) / accum_steps, policy_loss, kl, ratio
-
-def ratio_norm_log_ratio(log_prob, old_log_prob, mean, old_mean, std):
-    """GRPO-Guard's RatioNorm of a Gaussian step's log-ratio (B,); std: (B,).
-
-    With x' = old_mean + std eps and dmu = mean - old_mean, the raw log-ratio is
-    mean(eps dmu) / std - mean(dmu^2) / (2 std^2): below 0 (the clip rarely stops positive
-    advantages), its gradient ~|dt| / std starving high-noise steps. Adding the bias back and
-    scaling by std leaves mean(eps dmu)."""
-    bias = ((mean - old_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std**2)
-    return (log_prob - old_log_prob + bias) * std
-
-def draw_sde_window(size: int, window_range, num_steps: int, generator) -> tuple[int, int]:
-    """Steps [start, start + size), start uniform in {A, ..., B - size}; (A, B) = window_range."""
-    if size == 0:
-        return 0, num_steps
-    low, high = window_range
-    start = int(torch.randint(low, high - size + 1, (), generator=generator,
-                              device=generator.device))
-    return start, start + size
 
 # TRY NOT TO MODIFY: helpers shared verbatim by the SD3.5 scripts
 def fail(message: str):
@@ -210,12 +199,27 @@ def check_args(args) -> dict | None:
     """Checks that need no weights; returns the checkpoint's state when resuming."""
     for name in ["epochs", "batch_size", "eval_batch_size", "train_batch_size", "updates_per_epoch",
                  "eval_every", "save_every", "group_size", "prompts_per_epoch", "num_steps",
-                 "eval_num_steps", "lora_rank", "num_train_timesteps", "ema_every"]:
+                 "eval_num_steps", "lora_rank", "num_train_timesteps", "ema_every",
+                 "max_sequence_length", "eval_sheet_size", "window_shift_every"]:
         value = getattr(args, name, 1)  # not every script has every size
-        if value < 1:
+        if value is not None and value < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if not args.learning_rate >= 0:  # NaN fails too
-        fail(f"--learning-rate must be >= 0, got {args.learning_rate}")
+    for name, value in vars(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+    ranges = {">= 0": lambda value: value >= 0, "> 0": lambda value: value > 0,
+              "in [0, 1)": lambda value: 0 <= value < 1, "in (0, 1]": lambda value: 0 < value <= 1}
+    limits = {"learning_rate": ">= 0", "weight_decay": ">= 0", "max_grad_norm": "> 0",
+              "kl_beta": ">= 0", "clip_range": ">= 0", "adv_clip": "> 0", "noise_level": ">= 0",
+              "ema_decay": "in [0, 1)", "timestep_fraction": "in (0, 1]"}
+    for name, allowed in limits.items():
+        value = getattr(args, name, 0.5)  # not every script has every value
+        if not ranges[allowed](value):
+            fail(f"--{name.replace('_', '-')} must be {allowed}, got {value}")
+    if args.mixed_precision == "fp16" and not torch.cuda.is_available():
+        fail("--mixed-precision fp16 needs a GPU (on CPU: bf16 or no)")
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        fail(f"--output-dir {args.output_dir!r} is a file")
     try:  # the config files give the resolution's factor before the weights load
         vae = AutoencoderKL.load_config(args.model, subfolder="vae")
         transformer = SD3Transformer2DModel.load_config(args.model, subfolder="transformer")
@@ -224,13 +228,17 @@ def check_args(args) -> dict | None:
              f"read ({type(error).__name__}; offline? gated: accept the licence, hf auth login)")
     factor = 2 ** (len(vae["block_out_channels"]) - 1) * transformer.get("patch_size", 1)
     if args.resolution < 1 or args.resolution % factor:
-        fail(f"--resolution {args.resolution} is not a multiple of {factor} "
+        fail(f"--resolution {args.resolution} is not a positive multiple of {factor} "
              "(VAE downsampling x patch size)")
     if args.track and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
         import wandb
         if not wandb.login(prompt=False):
             fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), "
                  "or WANDB_MODE=offline")
+    if args.resume == "latest":  # e.g. torchrun --max-restarts: start, or continue
+        runs = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__*")
+        saves = glob.glob(os.path.join(runs, "checkpoints", "epoch_*"))
+        args.resume = max(saves, key=os.path.getmtime, default=None)
     if not args.resume:
         return None
     path = os.path.join(args.resume, "state.pt")
@@ -259,10 +267,11 @@ def load_prompts(path: str) -> tuple[list[str], list[dict]]:
         fail(f"prompt file {path!r} is empty")
     if not path.endswith(".jsonl"):
         return lines, [{} for _ in lines]
-    rows = [json.loads(line) for line in lines]
-    if any("prompt" not in row for row in rows):
-        fail(f"every line of {path!r} needs a 'prompt' field")
-    return [row["prompt"] for row in rows], rows
+    try:
+        rows = [json.loads(line) for line in lines]
+        return [row["prompt"] for row in rows], rows
+    except (ValueError, TypeError, KeyError) as error:  # not JSON, not an object, no prompt
+        fail(f"every line of {path!r} must be a JSON object with a 'prompt' field ({error!r})")
 
 def all_gather_cat(tensor: torch.Tensor, world: int) -> torch.Tensor:
     """Concatenate an equally shaped tensor from every rank, in rank order."""
@@ -431,6 +440,9 @@ if __name__ == "__main__":
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
     quiet = rank != 0 or not sys.stderr.isatty()  # progress bars only on rank 0's terminal
+    if quiet:  # the model-loading bars too
+        diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
     try:  # a bad reward file, or a reward server not answering, fails here
         rewards.check_prompts(args.reward, train_prompts)
         rewards.check_prompts(args.eval_reward or args.reward, test_prompts)
@@ -474,8 +486,8 @@ if __name__ == "__main__":
     if num_train_steps < 1:
         fail(f"--timestep-fraction {args.timestep_fraction} trains no step of "
              f"--num-steps {args.num_steps}")
-    if args.ratio_norm and args.sde_kind != "flow":
-        fail("--ratio-norm needs --sde-kind flow "
+    if args.trust_region == "ratio-norm" and args.sde_kind != "flow":
+        fail("--trust-region ratio-norm needs --sde-kind flow "
              "(it normalises a Gaussian log-ratio; CPS's log-prob is not one)")
     accum_steps = num_batches // args.updates_per_epoch * num_train_steps
     if rank == 0 and not args.eval_only:
@@ -521,9 +533,7 @@ if __name__ == "__main__":
     sigmas = pipe.scheduler.sigmas.float()  # (T+1,) from 1 to 0, SD3's shifted schedule
     pipe.scheduler.set_timesteps(args.eval_num_steps, device=device)
     eval_sigmas = pipe.scheduler.sigmas.float()
-    eval_guidance_scale = args.eval_guidance_scale
-    if eval_guidance_scale is None:
-        eval_guidance_scale = args.guidance_scale
+    eval_guidance_scale = args.guidance_scale
     snapshots = {}  # name -> fp32 LoRA copies, saved in state.pt; GRPO keeps none
 
     # TRY NOT TO MODIFY: resume, logging, eval
@@ -555,7 +565,11 @@ if __name__ == "__main__":
     def run_eval(epoch: int, prefix: str = "eval/") -> dict:
         """ODE-sample the test prompts with the EMA weights and score them: prompt i on rank
         i % world, from noise seed i (the same images on any GPU count)."""
-        scores, sheet, thumbs = [], {}, {}
+        scores, sheet, thumbs, by_prompt = [], {}, {}, {}
+        for i, text in enumerate(test_prompts):  # the indices of each distinct test prompt
+            by_prompt.setdefault(text, []).append(i)
+        cols = math.ceil(math.sqrt(args.eval_sheet_size))  # a row: a prompt's first samples
+        sheet_ids = [i for ids in by_prompt.values() for i in ids[:cols]][: args.eval_sheet_size]
         transformer.eval()  # as in sampling: a compiled block's graph depends on the mode
         my_prompts = list(range(rank, len(test_prompts), world))
         for start in range(0, len(my_prompts), args.eval_batch_size):
@@ -574,7 +588,7 @@ if __name__ == "__main__":
             scores += [{name: float(values[j]) for name, values in columns.items()}
                        for j in range(len(ids))]
             pixels = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
-            sheet.update({i: image for i, image in zip(ids, pixels) if i < args.eval_sheet_size})
+            sheet.update({i: image for i, image in zip(ids, pixels) if i in sheet_ids})
             small = torch.nn.functional.interpolate(images, size=32, mode="area").flatten(1)
             thumbs.update(zip(ids, small.cpu()))  # (3 * 32 * 32,) thumbnails
         if world > 1:
@@ -584,15 +598,13 @@ if __name__ == "__main__":
             sheet = {i: image for _, rank_sheet, _ in gathered for i, image in rank_sheet.items()}
             thumbs = {i: small for *_, part in gathered for i, small in part.items()}
         means = {name: float(np.mean([score[name] for score in scores])) for name in scores[0]}
-        groups = [torch.stack([thumbs[i] for i in sorted(thumbs) if test_prompts[i] == text])
-                  for text in dict.fromkeys(test_prompts)]
+        groups = [torch.stack([thumbs[i] for i in ids]) for ids in by_prompt.values()]
         distances = [torch.pdist(group).mean() / group.shape[1] ** 0.5
                      for group in groups if len(group) > 1]
         if distances:  # diversity: RMS pixel distance of two samples of one test prompt
             means["diversity"] = float(torch.stack(distances).mean())
-        if rank == 0:  # a contact sheet: a near-square grid, black cells end the last row
-            cells = [sheet[i] for i in sorted(sheet)]
-            cols = math.ceil(math.sqrt(len(cells)))
+        if rank == 0:  # a contact sheet: rows of cols cells, black cells end the last row
+            cells = [sheet[i] for i in sheet_ids]
             cells += [np.zeros_like(cells[0])] * (-len(cells) % cols)
             rows = [np.concatenate(cells[i : i + cols], axis=1) for i in range(0, len(cells), cols)]
             path = os.path.join(run_dir, f"eval_{epoch:05d}.png")
@@ -634,13 +646,14 @@ if __name__ == "__main__":
             cond = (prompt_embeds[batch_groups], prompt_pooled[batch_groups], *neg)
             noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen,
                                 device=device)
-            window = draw_sde_window(window_size, window_range, args.num_steps, noise_gen)
+            window = sde_window(window_size, window_range, args.num_steps, noise_gen, epoch,
+                                args.window_shift_every)
             latents, log_probs, means, final = rollout(
                 transformer, noise, sigmas, args.sde_kind, args.noise_level, *cond,
                 args.guidance_scale, autocast, noise_gen, window)  # latents: (B, K+1, C, h, w)
             futures.append(executor.submit(reward_fn, decode(pipe.vae, final).cpu(), prompts, meta))
             batches.append({"cond": cond, "latents": latents, "log_probs": log_probs,
-                            "means": means if args.ratio_norm else None, "start": window[0]})
+                            "means": means, "start": window[0]})
 
         # TRY NOT TO MODIFY: all ranks' rewards, in rank order, and the advantages
         reward_start = clock(device)
@@ -664,7 +677,7 @@ if __name__ == "__main__":
         # ALGO LOGIC: training. A micro-step re-scores one stored step, backpropagates grpo_loss
         my_advantages = advantages.to(device).view(world, num_batches, args.batch_size)[rank]
         transformer.train()
-        stats = {"policy_loss": [], "kl": [], "approx_kl": [], "clipfrac": []}
+        stats = defaultdict(list)  # name -> a value per micro-step
         on_policy_dev, micro_step = float("nan"), 0
         progress = tqdm(batches, f"epoch {epoch} training", disable=quiet, leave=False)
         for batch, batch_advantages in zip(progress, my_advantages):
@@ -679,7 +692,7 @@ if __name__ == "__main__":
                                                   sigma_max=sigmas[1])
                 old_log_prob = batch["log_probs"][:, j]
                 log_ratio, step_divisor = log_prob - old_log_prob, 1
-                if args.ratio_norm:
+                if args.trust_region == "ratio-norm":
                     log_ratio = ratio_norm_log_ratio(log_prob, old_log_prob, mean,
                                                      batch["means"][:, j], std.flatten())
                     step_divisor = sigma - sigma_next
@@ -694,9 +707,17 @@ if __name__ == "__main__":
                     sigma_t = std.flatten()  # CPS: its step's std
                     if args.sde_kind == "flow":  # Flow-GRPO's, without sqrt(-dt)
                         sigma_t = flow_sigma_t(sigma, args.noise_level, sigmas[1])
+                keep = None  # PPO's clip
+                if args.trust_region == "dppo":  # the KL to the rollout's step gates the terms
+                    old_kl = step_kl(mean.detach(), batch["means"][:, j], std)  # (B,)
+                    keep = dppo_keep(log_ratio.detach().exp(), batch_advantages, old_kl,
+                                     args.dppo_threshold)
+                    stats["dppo_masked_frac"].append(1 - keep.float().mean().item())
+                    stats["dppo_old_kl"].append(old_kl.mean().item())
+                    stats["dppo_old_kl_max"].append(old_kl.max().item())
                 loss, policy_loss, kl, ratio = grpo_loss(
                     log_ratio, batch_advantages, mean, ref_mean, sigma_t, step_divisor,
-                    accum_steps, args.clip_range, args.adv_clip, args.kl_beta)
+                    accum_steps, args.clip_range, args.adv_clip, args.kl_beta, keep)
                 scaler.scale(loss).backward()
                 if micro_step == 0:  # the epoch's first micro-step runs the rollout's weights
                     on_policy_dev = (ratio - 1).abs().max().item()
@@ -714,8 +735,7 @@ if __name__ == "__main__":
                                                args.max_grad_norm, world, loss,
                                                f"epoch {epoch}, step {global_step}", run_dir)
                     global_step += 1
-            # As upstream, the EMA moves after every micro-batch while (global_step + 1) %
-            # ema_interval == 0: several times with the same weights (0, or decay 0: per step).
+            # Upstream's cadence (README): after each micro-batch while (step + 1) % N == 0
             if args.ema_interval == 0 or args.ema_decay == 0:
                 ema_moves = micro_step % accum_steps == 0
             else:
@@ -729,9 +749,8 @@ if __name__ == "__main__":
         losses = {f"losses/{name}": float(np.mean(values)) for name, values in stats.items()}
         metrics.update(rank_mean(losses, world, device))
         metrics["losses/on_policy_ratio_dev"] = on_policy_dev
-        summary = (f"policy {metrics['losses/policy_loss']:.3e} "
-                   f"kl {metrics['losses/kl']:.3e} | ratio dev {on_policy_dev:.1e} "
-                   f"| clipfrac {metrics['losses/clipfrac']:.3f}")
+        summary = (f"policy {metrics['losses/policy_loss']:.3e} kl {metrics['losses/kl']:.3e} "
+                   f"| ratio dev {on_policy_dev:.1e} | clipfrac {metrics['losses/clipfrac']:.3f}")
 
         # TRY NOT TO MODIFY: shared metrics, final eval, the summary line, checkpoints
         epoch_end = clock(device)
@@ -759,12 +778,6 @@ if __name__ == "__main__":
             "perf/training_seconds": epoch_end - training_start,
             "perf/compiled_graphs": compiled_graphs,
             "perf/max_mem_gb": max_mem_gb})
-        if args.compile and epoch == start_epoch and rank == 0:
-            print(f"torch.compile: {compiled_graphs} graphs, compiled in this first epoch "
-                  f"({epoch_seconds:.0f}s); later epochs reuse them")
-        if rank == 0 and (group_std == 0).all():  # warnings.warn shows this once per run
-            warnings.warn("an epoch where every group's rewards are all equal: "
-                          "zero advantages, nothing to learn")
         if rank == 0:
             line = (f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± "
                     f"{metrics['reward/std']:.4f} | {summary} | "

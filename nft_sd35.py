@@ -29,15 +29,16 @@ import resource
 import shutil
 import sys
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 import numpy as np
+import diffusers
 import torch
 import torch.distributed as dist
+import transformers
 import tyro
 from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline
 from peft import LoraConfig
@@ -64,7 +65,7 @@ class Args:
     output_dir: str = "runs"
     """runs go to OUTPUT_DIR/RUN_NAME (metrics, eval sheets, checkpoints)"""
     resume: str | None = None
-    """checkpoint directory to continue from"""
+    """checkpoint directory to continue from; `latest`: this exp-name and seed's newest, if any"""
     eval_only: bool = False
     """only evaluate the EMA weights of --resume (or the base model), then exit"""
     # Model
@@ -82,7 +83,7 @@ class Args:
     """LoRA alpha (scale = alpha / rank)"""
     # Data and reward
     train_prompts: str = "prompts/train.txt"
-    """one prompt per line, or JSONL with a `prompt` field (the rest goes to the reward)"""
+    """one prompt per line (blank lines skipped), or JSONL: `prompt`, the rest to the reward"""
     test_prompts: str = "prompts/test.txt"
     """eval prompts, same format"""
     reward: str = "ocr"
@@ -114,7 +115,7 @@ class Args:
     """gradient-norm clip"""
     # Logging, eval, checkpoints
     eval_sheet_size: int = 16
-    """images of the first eval prompts in the contact sheet"""
+    """eval images in the contact sheet: a row per distinct test prompt, as many as fit"""
     # Algorithm-specific arguments (defaults: the paper's OCR run)
     max_sequence_length: int = 128
     """T5 tokens per prompt"""
@@ -223,12 +224,27 @@ def check_args(args) -> dict | None:
     """Checks that need no weights; returns the checkpoint's state when resuming."""
     for name in ["epochs", "batch_size", "eval_batch_size", "train_batch_size", "updates_per_epoch",
                  "eval_every", "save_every", "group_size", "prompts_per_epoch", "num_steps",
-                 "eval_num_steps", "lora_rank", "num_train_timesteps", "ema_every"]:
+                 "eval_num_steps", "lora_rank", "num_train_timesteps", "ema_every",
+                 "max_sequence_length", "eval_sheet_size", "window_shift_every"]:
         value = getattr(args, name, 1)  # not every script has every size
-        if value < 1:
+        if value is not None and value < 1:
             fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if not args.learning_rate >= 0:  # NaN fails too
-        fail(f"--learning-rate must be >= 0, got {args.learning_rate}")
+    for name, value in vars(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+    ranges = {">= 0": lambda value: value >= 0, "> 0": lambda value: value > 0,
+              "in [0, 1)": lambda value: 0 <= value < 1, "in (0, 1]": lambda value: 0 < value <= 1}
+    limits = {"learning_rate": ">= 0", "weight_decay": ">= 0", "max_grad_norm": "> 0",
+              "kl_beta": ">= 0", "clip_range": ">= 0", "adv_clip": "> 0", "noise_level": ">= 0",
+              "ema_decay": "in [0, 1)", "timestep_fraction": "in (0, 1]"}
+    for name, allowed in limits.items():
+        value = getattr(args, name, 0.5)  # not every script has every value
+        if not ranges[allowed](value):
+            fail(f"--{name.replace('_', '-')} must be {allowed}, got {value}")
+    if args.mixed_precision == "fp16" and not torch.cuda.is_available():
+        fail("--mixed-precision fp16 needs a GPU (on CPU: bf16 or no)")
+    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
+        fail(f"--output-dir {args.output_dir!r} is a file")
     try:  # the config files give the resolution's factor before the weights load
         vae = AutoencoderKL.load_config(args.model, subfolder="vae")
         transformer = SD3Transformer2DModel.load_config(args.model, subfolder="transformer")
@@ -237,13 +253,17 @@ def check_args(args) -> dict | None:
              f"read ({type(error).__name__}; offline? gated: accept the licence, hf auth login)")
     factor = 2 ** (len(vae["block_out_channels"]) - 1) * transformer.get("patch_size", 1)
     if args.resolution < 1 or args.resolution % factor:
-        fail(f"--resolution {args.resolution} is not a multiple of {factor} "
+        fail(f"--resolution {args.resolution} is not a positive multiple of {factor} "
              "(VAE downsampling x patch size)")
     if args.track and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
         import wandb
         if not wandb.login(prompt=False):
             fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), "
                  "or WANDB_MODE=offline")
+    if args.resume == "latest":  # e.g. torchrun --max-restarts: start, or continue
+        runs = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__*")
+        saves = glob.glob(os.path.join(runs, "checkpoints", "epoch_*"))
+        args.resume = max(saves, key=os.path.getmtime, default=None)
     if not args.resume:
         return None
     path = os.path.join(args.resume, "state.pt")
@@ -272,10 +292,11 @@ def load_prompts(path: str) -> tuple[list[str], list[dict]]:
         fail(f"prompt file {path!r} is empty")
     if not path.endswith(".jsonl"):
         return lines, [{} for _ in lines]
-    rows = [json.loads(line) for line in lines]
-    if any("prompt" not in row for row in rows):
-        fail(f"every line of {path!r} needs a 'prompt' field")
-    return [row["prompt"] for row in rows], rows
+    try:
+        rows = [json.loads(line) for line in lines]
+        return [row["prompt"] for row in rows], rows
+    except (ValueError, TypeError, KeyError) as error:  # not JSON, not an object, no prompt
+        fail(f"every line of {path!r} must be a JSON object with a 'prompt' field ({error!r})")
 
 def all_gather_cat(tensor: torch.Tensor, world: int) -> torch.Tensor:
     """Concatenate an equally shaped tensor from every rank, in rank order."""
@@ -444,6 +465,9 @@ if __name__ == "__main__":
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
     quiet = rank != 0 or not sys.stderr.isatty()  # progress bars only on rank 0's terminal
+    if quiet:  # the model-loading bars too
+        diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
     try:  # a bad reward file, or a reward server not answering, fails here
         rewards.check_prompts(args.reward, train_prompts)
         rewards.check_prompts(args.eval_reward or args.reward, test_prompts)
@@ -561,7 +585,11 @@ if __name__ == "__main__":
     def run_eval(epoch: int, prefix: str = "eval/") -> dict:
         """ODE-sample the test prompts with the EMA weights and score them: prompt i on rank
         i % world, from noise seed i (the same images on any GPU count)."""
-        scores, sheet, thumbs = [], {}, {}
+        scores, sheet, thumbs, by_prompt = [], {}, {}, {}
+        for i, text in enumerate(test_prompts):  # the indices of each distinct test prompt
+            by_prompt.setdefault(text, []).append(i)
+        cols = math.ceil(math.sqrt(args.eval_sheet_size))  # a row: a prompt's first samples
+        sheet_ids = [i for ids in by_prompt.values() for i in ids[:cols]][: args.eval_sheet_size]
         transformer.eval()  # as in sampling: a compiled block's graph depends on the mode
         my_prompts = list(range(rank, len(test_prompts), world))
         for start in range(0, len(my_prompts), args.eval_batch_size):
@@ -580,7 +608,7 @@ if __name__ == "__main__":
             scores += [{name: float(values[j]) for name, values in columns.items()}
                        for j in range(len(ids))]
             pixels = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
-            sheet.update({i: image for i, image in zip(ids, pixels) if i < args.eval_sheet_size})
+            sheet.update({i: image for i, image in zip(ids, pixels) if i in sheet_ids})
             small = torch.nn.functional.interpolate(images, size=32, mode="area").flatten(1)
             thumbs.update(zip(ids, small.cpu()))  # (3 * 32 * 32,) thumbnails
         if world > 1:
@@ -590,15 +618,13 @@ if __name__ == "__main__":
             sheet = {i: image for _, rank_sheet, _ in gathered for i, image in rank_sheet.items()}
             thumbs = {i: small for *_, part in gathered for i, small in part.items()}
         means = {name: float(np.mean([score[name] for score in scores])) for name in scores[0]}
-        groups = [torch.stack([thumbs[i] for i in sorted(thumbs) if test_prompts[i] == text])
-                  for text in dict.fromkeys(test_prompts)]
+        groups = [torch.stack([thumbs[i] for i in ids]) for ids in by_prompt.values()]
         distances = [torch.pdist(group).mean() / group.shape[1] ** 0.5
                      for group in groups if len(group) > 1]
         if distances:  # diversity: RMS pixel distance of two samples of one test prompt
             means["diversity"] = float(torch.stack(distances).mean())
-        if rank == 0:  # a contact sheet: a near-square grid, black cells end the last row
-            cells = [sheet[i] for i in sorted(sheet)]
-            cols = math.ceil(math.sqrt(len(cells)))
+        if rank == 0:  # a contact sheet: rows of cols cells, black cells end the last row
+            cells = [sheet[i] for i in sheet_ids]
             cells += [np.zeros_like(cells[0])] * (-len(cells) % cols)
             rows = [np.concatenate(cells[i : i + cols], axis=1) for i in range(0, len(cells), cols)]
             path = os.path.join(run_dir, f"eval_{epoch:05d}.png")
@@ -749,12 +775,6 @@ if __name__ == "__main__":
             "perf/training_seconds": epoch_end - training_start,
             "perf/compiled_graphs": compiled_graphs,
             "perf/max_mem_gb": max_mem_gb})
-        if args.compile and epoch == start_epoch and rank == 0:
-            print(f"torch.compile: {compiled_graphs} graphs, compiled in this first epoch "
-                  f"({epoch_seconds:.0f}s); later epochs reuse them")
-        if rank == 0 and (group_std == 0).all():  # warnings.warn shows this once per run
-            warnings.warn("an epoch where every group's rewards are all equal: "
-                          "zero advantages, nothing to learn")
         if rank == 0:
             line = (f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± "
                     f"{metrics['reward/std']:.4f} | {summary} | "

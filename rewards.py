@@ -11,6 +11,7 @@ import base64
 import ctypes
 import hmac
 import importlib
+import inspect
 import io
 import json
 import os
@@ -27,7 +28,6 @@ import numpy as np
 import torch
 from PIL import Image
 
-
 # ---- Helpers: images, optional imports, HTTP with retries, replies read as data ----
 def to_pil(images) -> list[Image.Image]:
     """Float (B, 3, H, W) in [0, 1] or PIL images -> RGB PIL, quantised as upstream."""
@@ -36,12 +36,10 @@ def to_pil(images) -> list[Image.Image]:
     pixels = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
     return [Image.fromarray(array) for array in pixels.permute(0, 2, 3, 1).numpy()]
 
-
 def encoded(image: Image.Image, file_format: str, **options) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format=file_format, **options)
     return buffer.getvalue()
-
 
 def require(module: str, pip_name: str, reward: str):
     """Import an optional package, or fail with the exact install command."""
@@ -51,12 +49,10 @@ def require(module: str, pip_name: str, reward: str):
         message = f"reward {reward!r} needs an extra package: pip install {pip_name}"
         raise ImportError(message) from error
 
-
 def one_line(text, limit: int = 300) -> str:
     if isinstance(text, bytes):
         text = text.decode(errors="replace")
     return " ".join(str(text).split())[:limit]
-
 
 def call(url, body=None, content_type="application/json", timeout=30.0, retries=0, token=""):
     """POST `body` and return the reply, or fail in one line naming the URL. Timeouts and 5xx
@@ -92,7 +88,6 @@ def call(url, body=None, content_type="application/json", timeout=30.0, retries=
     raise error(f"reward server {url} failed after {retries + 1} tries "
                 f"({timeout:g}s timeout each): {one_line(last_failure)}")
 
-
 def read_reply(url: str, raw: bytes, count: int, parse) -> tuple[torch.Tensor, dict]:
     """parse(raw) -> (scores, info), `count` finite float32 numbers each, or a one-line error."""
     try:
@@ -108,13 +103,11 @@ def read_reply(url: str, raw: bytes, count: int, parse) -> tuple[torch.Tensor, d
         raise RuntimeError(f"reward server {url} sent a malformed reply ({reason})") from None
     return scores, info
 
-
 # ---- OCR (Flow-GRPO's text-rendering reward) ----
 def ocr_target(prompt: str) -> str | None:
     """The text between the first pair of double quotes, or None."""
     parts = prompt.split('"')
     return parts[1] if len(parts) >= 3 else None
-
 
 def levenshtein(first: str, second: str) -> int:
     """Edit distance: fewest insertions, deletions and substitutions."""
@@ -127,7 +120,6 @@ def levenshtein(first: str, second: str) -> int:
         previous = current
     return previous[-1]
 
-
 def ocr_score(recognised: str, target: str) -> float:
     """1 if target is in recognised, else 1 - min(edit distance, len) / len (flow_grpo/ocr.py)."""
     recognised = recognised.replace(" ", "").lower()
@@ -135,7 +127,6 @@ def ocr_score(recognised: str, target: str) -> float:
     if target in recognised:  # an empty target is always contained
         return 1.0
     return 1.0 - min(levenshtein(recognised, target), len(target)) / len(target)
-
 
 def ocr(workers: int = 8, rec_model: str = "", rec_keys: str = ""):
     """PP-OCR accuracy on the prompt's quoted text as flow_grpo/ocr.py (README: OCR deviation)."""
@@ -160,7 +151,6 @@ def ocr(workers: int = 8, rec_model: str = "", rec_keys: str = ""):
         return torch.tensor([ocr_score(*pair) for pair in zip(texts, targets)]), {}
     return fn
 
-
 # ---- CLIP family (PickScore, CLIPScore, LAION aesthetic), HPS v2.1, ImageReward, JPEG ----
 def load_clip(model: str, processor: str | None, device):
     """(CLIPModel, features, logits) of (images, prompts): unit embeddings, scaled cos (CPU)."""
@@ -183,7 +173,6 @@ def load_clip(model: str, processor: str | None, device):
         return (clip.logit_scale.exp() * (image * text).sum(-1)).cpu().float()
     return clip, features, logits
 
-
 def pickscore(device="cpu", model="yuvalkirstain/PickScore_v1",
               processor="laion/CLIP-ViT-H-14-laion2B-s32B-b79K"):
     """logit_scale * cos / 26 (flow_grpo/pickscore_scorer.py); tables quote `pickscore_raw`."""
@@ -193,12 +182,10 @@ def pickscore(device="cpu", model="yuvalkirstain/PickScore_v1",
         return raw / 26, {"pickscore_raw": raw}
     return fn
 
-
 def clipscore(device="cpu", model="openai/clip-vit-large-patch14", processor=None):
     """CLIP ViT-L/14 logit_scale * cos(image, text) / 30 (flow_grpo/clip_scorer.py)."""
     _, _, logits = load_clip(model, processor, device)
     return lambda images, prompts, metadata: (logits(images, prompts) / 30, {})
-
 
 def aesthetic(device="cpu", model="openai/clip-vit-large-patch14", processor=None,
               head="https://github.com/christophschuhmann/improved-aesthetic-predictor/"
@@ -218,7 +205,6 @@ def aesthetic(device="cpu", model="openai/clip-vit-large-patch14", processor=Non
         image_features, _ = features(images, [""] * len(prompts))
         return mlp(image_features).squeeze(-1).cpu(), {}
     return fn
-
 
 def hpsv2(device="cpu", checkpoint="xswu/HPSv2:HPS_v2.1_compressed.pt"):
     """HPS v2.1 (DanceGRPO): open_clip ViT-H-14 cos(image, text); checkpoint: .pt or repo:file."""
@@ -240,7 +226,6 @@ def hpsv2(device="cpu", checkpoint="xswu/HPSv2:HPS_v2.1_compressed.pt"):
         return (image * text).sum(-1).cpu(), {}
     return fn
 
-
 def imagereward(device="cpu", model="ImageReward-v1.0"):
     """ImageReward v1.0 raw score (~-2..2), one `score(prompt, image)` per image as upstream."""
     package = require("ImageReward", "image-reward", "imagereward")
@@ -250,14 +235,12 @@ def imagereward(device="cpu", model="ImageReward-v1.0"):
         return torch.tensor([float(scorer.score(prompt, image)) for prompt, image in pairs]), {}
     return fn
 
-
 def jpeg(scale: float):
     """scale * kB as JPEG at quality 95 (DDPO; flow_grpo jpeg_compressibility: -kB / 500)."""
     def fn(images, prompts, metadata):
         sizes = [len(encoded(image, "JPEG", quality=95)) for image in to_pil(images)]
         return torch.tensor([scale * size / 1000 for size in sizes]), {}
     return fn
-
 
 # ---- Network rewards: GenEval server, VLM judges (OpenAI API), any served reward ----
 def geneval(url="http://127.0.0.1:18085", timeout=120.0, retries=5, batch_size=64, key="scores"):
@@ -287,7 +270,6 @@ def geneval(url="http://127.0.0.1:18085", timeout=120.0, retries=5, batch_size=6
         return torch.cat(scores), {"geneval_strict": torch.cat(strict)}
     return fn
 
-
 def chat_reward(url, model, api_key, text, timeout, retries, workers, score_reply,
                 resize=0, **request_options):
     """Score each (image, prompt) by one OpenAI-compatible /chat/completions call of `text`:
@@ -310,7 +292,6 @@ def chat_reward(url, model, api_key, text, timeout, retries, workers, score_repl
         return torch.cat(list(pool.map(score, to_pil(images), prompts))), {}
     return fn
 
-
 def vlm_judge(url="http://127.0.0.1:17140/v1", model="UnifiedReward-7b-v1.5", api_key="flowgrpo",
               instruction="You are given a text prompt and an image generated from it. "
                           "Judge how well the image follows the prompt and how good it "
@@ -325,7 +306,6 @@ def vlm_judge(url="http://127.0.0.1:17140/v1", model="UnifiedReward-7b-v1.5", ap
     return chat_reward(url, model, api_key, instruction, timeout, retries, workers,
                        score_reply, resize, max_tokens=512)
 
-
 def vlm_yesno(url="http://127.0.0.1:17140/v1", model="Qwen/Qwen2.5-VL-7B-Instruct", api_key="",
               question='Does this image match the description: "{prompt}"? Answer Yes or No.',
               timeout=60.0, retries=3, workers=16, top_logprobs=20):
@@ -336,7 +316,6 @@ def vlm_yesno(url="http://127.0.0.1:17140/v1", model="Qwen/Qwen2.5-VL-7B-Instruc
         return sum(np.exp(entry["logprob"]) for entry in yes)
     return chat_reward(url, model, api_key, question, timeout, retries, workers,
                        score_reply, max_tokens=1, logprobs=True, top_logprobs=int(top_logprobs))
-
 
 def remote(url="http://127.0.0.1:18090", timeout=300.0, retries=5, token=""):
     """Any reward served by `python rewards.py --serve`; token: default $REWARD_SERVER_TOKEN."""
@@ -352,7 +331,6 @@ def remote(url="http://127.0.0.1:18090", timeout=300.0, retries=5, token=""):
         return read_reply(url, raw, len(pngs), parse)
     return fn
 
-
 # ---- Specs: parsing, building, combining ----
 REWARDS = {
     "ocr": ocr, "pickscore": pickscore, "clipscore": clipscore, "aesthetic": aesthetic,
@@ -363,7 +341,6 @@ REWARDS = {
 }
 USES_DEVICE = {"pickscore", "clipscore", "aesthetic", "hpsv2", "imagereward", "pickscore_rank"}
 
-
 def group_rank(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """Rank within the group scaled to [0, 1]: best 1, ties share their mean rank, alone 0.5."""
     scores = scores.float()
@@ -373,7 +350,6 @@ def group_rank(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     tied = ((scores[None, :] == scores[:, None]) & same_group).sum(1) - 1  # not itself
     rank = (below + tied / 2) / (group_size - 1).clamp(min=1)
     return torch.where(group_size > 1, rank, 0.5)
-
 
 def parse_spec(spec: str) -> list[tuple[str, dict, float]]:
     """`a[k=v;k2=v2]=0.5,b` -> [(a, {k: v, k2: v2}, 0.5), (b, {}, 1.0)]; a file keeps its path."""
@@ -389,10 +365,14 @@ def parse_spec(spec: str) -> list[tuple[str, dict, float]]:
         if name not in REWARDS and not is_file:
             raise ValueError(f"unknown reward {name!r}; choose from {', '.join(REWARDS)} "
                              "or path/to/file.py:function")
-        pairs = [option.split("=", 1) for option in (options_text or "").split(";") if option]
-        parsed.append((name, dict(pairs), float(weight or 1.0)))
+        options = dict(option.split("=", 1) for option in (options_text or "").split(";") if option)
+        known = set(inspect.signature(REWARDS.get(name, lambda: None)).parameters) - {"device"}
+        unknown = sorted(set(options) - known)  # a file takes none; the device is the script's
+        if unknown:
+            raise ValueError(f"reward {name!r} has no option {', '.join(unknown)}; "
+                             f"its options: {', '.join(sorted(known)) or 'none'}")
+        parsed.append((name, options, float(weight or 1.0)))
     return parsed
-
 
 def check_prompts(spec: str, prompts: list[str]):
     """Cheap checks before any model loads: the spec parses, OCR prompts quote a target."""
@@ -402,7 +382,6 @@ def check_prompts(spec: str, prompts: list[str]):
         raise ValueError("the ocr reward needs the target text in double quotes in every prompt, "
                          f"e.g. 'A sign that says \"hello\"'; {len(untargeted)} prompt(s) have "
                          f"none, first: {untargeted[0]!r}")
-
 
 def build_reward(spec: str, device="cpu"):
     """The weighted-sum reward of a spec. `.weights`: {component: weight}, components named
@@ -442,7 +421,6 @@ def build_reward(spec: str, device="cpu"):
     combined.weights = weights
     combined.group_transform = group_transform if "pickscore_rank" in components else None
     return combined
-
 
 # ---- Reward server: `python rewards.py --serve SPEC --port N` answers `remote` ----
 def make_server(serve: str, host: str = "127.0.0.1", port: int = 18090, token: str = "",
@@ -544,7 +522,6 @@ def make_server(serve: str, host: str = "127.0.0.1", port: int = 18090, token: s
     if not token and host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: {host} is reachable from other machines and no token is set", flush=True)
     return server
-
 
 if __name__ == "__main__":
     importlib.import_module("tyro").cli(make_server).serve_forever()

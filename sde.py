@@ -1,5 +1,5 @@
-"""Reverse-time step math shared by every script in this repo (pure functions, no models),
-and the group advantages every script computes from its rewards.
+"""Reverse-time step math shared by every script in this repo (pure functions, no models):
+SDE steps, SDE windows, trust regions on a step's Gaussian, and the group advantages.
 
 Conventions, stated once:
 - Time is the flow-matching noise level sigma in [0, 1]:
@@ -32,7 +32,6 @@ import torch
 
 StepKind = Literal["flow", "dance", "cps", "ode"]
 
-
 def _per_sample(value: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A float or a (B,) tensor as float32 (B, 1, 1, ...), broadcastable against `like`."""
     value = torch.as_tensor(value, dtype=torch.float32, device=like.device)
@@ -41,14 +40,12 @@ def _per_sample(value: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor
     singleton_dims = [1] * (like.ndim - 1)
     return value.reshape(-1, *singleton_dims)
 
-
 def _mean_over_elements(tensor: torch.Tensor) -> torch.Tensor:
     """(B, ...) -> (B,): the mean over every non-batch dimension.
 
     This is the log-prob reduction of the whole repo (see the conventions above).
     """
     return tensor.mean(dim=tuple(range(1, tensor.ndim)))
-
 
 def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
     """SD3's static time shift: sigma' = shift * sigma / (1 + (shift - 1) * sigma).
@@ -57,12 +54,8 @@ def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
     """
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 
-
-def flow_sigma_t(
-    sigma: float | torch.Tensor,
-    noise_level: float,
-    sigma_max: float | torch.Tensor | None = None,
-) -> torch.Tensor:
+def flow_sigma_t(sigma: float | torch.Tensor, noise_level: float,
+                 sigma_max: float | torch.Tensor | None = None) -> torch.Tensor:
     """Flow-GRPO's diffusion coefficient sigma_t = a * sqrt(sigma / (1 - sigma)).
 
     arXiv:2505.05470 Eq. 9, with a = noise_level. At sigma == 1 the
@@ -79,42 +72,25 @@ def flow_sigma_t(
     denominator_sigma = sigma
     if bool(at_pure_noise.any()):
         if sigma_max is None:
-            raise ValueError(
-                "kind='flow' at sigma == 1 needs sigma_max "
-                "(upstream passes the schedule's second sigma)"
-            )
+            raise ValueError("kind='flow' at sigma == 1 needs sigma_max "
+                             "(upstream passes the schedule's second sigma)")
         sigma_max = torch.as_tensor(sigma_max, dtype=torch.float32, device=sigma.device)
         denominator_sigma = torch.where(at_pure_noise, sigma_max, sigma)
     return noise_level * torch.sqrt(sigma / (1 - denominator_sigma))
 
-
-def gaussian_log_prob(
-    x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor
-) -> torch.Tensor:
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """Isotropic Gaussian log-density of x, constants kept; (B, ...) -> (B,).
 
     Averaged over the non-batch elements (the repo's reduction).
     """
     squared_error = (x - mean) ** 2
-    log_density = (
-        -squared_error / (2 * std**2)
-        - torch.log(std)
-        - 0.5 * math.log(2 * math.pi)
-    )
+    log_density = -squared_error / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
     return _mean_over_elements(log_density)
 
-
-def sde_step(
-    v: torch.Tensor,
-    x: torch.Tensor,
-    sigma: float | torch.Tensor,
-    sigma_next: float | torch.Tensor,
-    kind: StepKind,
-    noise_level: float,
-    prev_sample: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
-    sigma_max: float | torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def sde_step(v: torch.Tensor, x: torch.Tensor, sigma: float | torch.Tensor,
+             sigma_next: float | torch.Tensor, kind: StepKind, noise_level: float,
+             prev_sample: torch.Tensor | None = None, generator: torch.Generator | None = None,
+             sigma_max: float | torch.Tensor | None = None):
     """One reverse step from sigma to sigma_next.
 
     Returns (prev_sample, log_prob, mean, std), all float32.
@@ -179,9 +155,7 @@ def sde_step(
         mean = x + v * dt
         std = torch.zeros_like(sigma)
     else:
-        raise ValueError(
-            f"unknown step kind {kind!r}; expected one of 'flow', 'dance', 'cps', 'ode'"
-        )
+        raise ValueError(f"unknown step kind {kind!r}; expected 'flow', 'dance', 'cps' or 'ode'")
 
     deterministic = bool((std == 0).all())
     if prev_sample is None:
@@ -204,7 +178,6 @@ def sde_step(
         log_prob = gaussian_log_prob(prev_sample.detach(), mean, std)
     return prev_sample, log_prob, mean, std
 
-
 def group_advantages(rewards, group_ids, per_group_std: bool, eps: float = 1e-4, ddof: int = 0):
     """(reward - its group's mean) / (std + eps), all (N,). std: of all rewards (Flow-GRPO's
     `global_std`, flow_grpo/stat_tracking.py) or of each group's (per_group_std), with ddof 0
@@ -217,7 +190,6 @@ def group_advantages(rewards, group_ids, per_group_std: bool, eps: float = 1e-4,
         std = (torch.bincount(group_ids, centered**2) / (count - ddof)).sqrt()[group_ids]
     return (centered / (std + eps)).float()
 
-
 def compute_advantages(rewards, components, weights, group_ids, aggregation, per_group_std):
     """Advantages (N,). `gdpo` (arXiv:2601.05242) with several rewards: normalise each within its
     group, sum them weighted, normalise the sum over the epoch; `sum`: normalise the sum."""
@@ -226,3 +198,48 @@ def compute_advantages(rewards, components, weights, group_ids, aggregation, per
     summed = sum(weight * group_advantages(components[name], group_ids, per_group_std=True)
                  for name, weight in weights.items())
     return (summed - summed.mean()) / (summed.std(unbiased=False) + 1e-4)
+
+# ---- Which steps are SDE steps, and trust regions on a step's Gaussian ----
+def sde_window(size: int, window_range, num_steps: int, generator, epoch: int = 0,
+               shift_every: int | None = None, stride: int = 1) -> tuple[int, int]:
+    """The steps [start, start + size) a rollout samples by SDE, the ODE elsewhere (size 0:
+    every step); (A, B) = window_range. Flow-GRPO-Fast (shift_every None): start uniform in
+    {A, ..., B - size}, drawn per call. MixGRPO (Tencent-Hunyuan/MixGRPO,
+    fastvideo/utils/grpo_states.py, GRPOTrainingStates, "progressive" with roll_back): start
+    moves from A by `stride` steps every `shift_every` epochs, and starts over at A after the
+    last window that fits in [A, B); upstream's last windows shrink instead (its default 300
+    iterations never reach them)."""
+    if size == 0:
+        return 0, num_steps
+    low, high = window_range
+    if shift_every is None:
+        start = int(torch.randint(low, high - size + 1, (), generator=generator,
+                                  device=generator.device))
+    else:
+        positions = (high - low - size) // stride + 1
+        start = low + (epoch // shift_every) % positions * stride
+    return start, start + size
+
+def step_kl(mean: torch.Tensor, other_mean: torch.Tensor, std) -> torch.Tensor:
+    """KL of two Gaussian steps with the same std: (B, ...) -> (B,), the mean over elements of
+    (mean - other_mean)^2 / (2 std^2): the exact KL over the element count (the repo's
+    reduction; Flow-DPPO's threshold is calibrated for it)."""
+    return _mean_over_elements((mean.float() - other_mean.float()) ** 2 / (2 * std**2))
+
+def dppo_keep(ratio, advantages, kl, threshold: float) -> torch.Tensor:
+    """Flow-DPPO's trust region (arXiv:2606.11025; Tencent-Hunyuan/UniRL,
+    unirl/algorithms/flowdppo.py): a step's term -A ratio is dropped only where its KL to the
+    rollout's step is >= threshold AND it pushes further the way the advantage points
+    (ratio > 1 with A > 0, ratio < 1 with A < 0); corrective moves always stay. (B,) bool."""
+    aggressive = ((ratio > 1) & (advantages > 0)) | ((ratio < 1) & (advantages < 0))
+    return ~((kl >= threshold) & aggressive)
+
+def ratio_norm_log_ratio(log_prob, old_log_prob, mean, old_mean, std):
+    """GRPO-Guard's RatioNorm of a Gaussian step's log-ratio (B,); std: (B,).
+
+    With x' = old_mean + std eps and dmu = mean - old_mean, the raw log-ratio is
+    mean(eps dmu) / std - mean(dmu^2) / (2 std^2): below 0 (the clip rarely stops positive
+    advantages), its gradient ~|dt| / std starving high-noise steps. Adding the bias back and
+    scaling by std leaves mean(eps dmu)."""
+    bias = ((mean - old_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std**2)
+    return (log_prob - old_log_prob + bias) * std

@@ -58,7 +58,14 @@ VARIANTS = {
     "grpo-fast": ("grpo_sd35.py", GRPO + [
         "--learning-rate", "1e-3", "--sde-window-size", "3", "--sde-window-range", "0", "5",
         "--sde-kind", "cps", "--noise-level", "0.8", "--clip-range", "1e-5"]),
-    "grpo-guard": ("grpo_sd35.py", GRPO + ["--learning-rate", "3e-3", "--ratio-norm"]),
+    "grpo-guard": ("grpo_sd35.py", GRPO + [
+        "--learning-rate", "3e-3", "--trust-region", "ratio-norm"]),
+    "grpo-dppo": ("grpo_sd35.py", GRPO + [  # Flow-DPPO's KL mask, UniRL's window
+        "--learning-rate", "1e-3", "--trust-region", "dppo", "--sde-window-size", "3",
+        "--sde-window-range", "0", "5", "--kl-beta", "0"]),
+    "grpo-mix": ("grpo_sd35.py", GRPO + [  # MixGRPO's sliding window, moved every 4 epochs
+        "--learning-rate", "1e-3", "--sde-window-size", "4", "--sde-window-range", "0", "9",
+        "--window-shift-every", "4"]),
     "nft": ("nft_sd35.py", ["--batch-size", "16", "--learning-rate", "3e-3"]),
     "awm": ("awm_sd35.py", [
         "--batch-size", "16", "--train-batch-size", "8", "--anchor-beta", "0", "--sampler", "ode",

@@ -8,6 +8,7 @@ import pytest
 import torch
 from diffusers import FluxPipeline, StableDiffusion3Pipeline
 from peft import LoraConfig
+from PIL import Image
 
 import dance_grpo_flux
 import grpo_sd35
@@ -90,10 +91,42 @@ BAD = [
     (["--learning-rate", "-1e-3"], "--learning-rate must"),
     (["--learning-rate", "nan"], "--learning-rate must"),
     (["--epochs", "0"], "--epochs must be >= 1"),
-    (["--resolution", "34"], "--resolution 34 is not a multiple of 4"),
+    (["--resolution", "34"], "--resolution 34 is not a positive multiple of 4"),
+    # issue 27: every value is checked, in one line, before the model loads
+    (["--resolution", "0"], "--resolution 0 is not a positive multiple of 4"),
+    (["--max-sequence-length", "0"], "--max-sequence-length must be >= 1"),
+    (["--eval-sheet-size", "0"], "--eval-sheet-size must be >= 1"),
+    (["--max-grad-norm", "0"], "--max-grad-norm must be > 0"),
+    (["--ema-decay", "1.5"], "--ema-decay must be in [0, 1)"),
+    (["--kl-beta", "-1"], "--kl-beta must be >= 0"),
+    (["--clip-range", "-1"], "--clip-range must be >= 0"),
+    (["--noise-level", "-1"], "--noise-level must be >= 0"),
+    (["--guidance-scale", "nan"], "--guidance-scale must be a finite number"),
+    (["--reward", "pickscore[bogus=1]"], "reward 'pickscore' has no option bogus"),
     (["--model", "/nonexistent/model"], "no local pipeline directory"),
     (["--resume", "/tmp"], "not a checkpoint directory"),
 ]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is a GPU mode")
+@pytest.mark.parametrize("script", SD35_SCRIPTS + ["dance_grpo_flux.py"])
+def test_files_and_modes_that_cannot_work_fail_before_the_model_loads(tiny_sd3, tiny_flux,
+                                                                       tmp_path, script):
+    """A file as --output-dir, a malformed JSONL prompt file, fp16 on CPU: one line each, no
+    run directory (a repeated flag: the last one counts, the harness reads the first)."""
+    model = tiny_flux if script.startswith("dance") else tiny_sd3
+    flags = tiny_sd35_flags(configs_only(model, tmp_path), tmp_path / "out")
+    if script == "awm_sd35.py":
+        flags += ["--train-batch-size", "2"]
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a cat"}\n{"prompt": "a dog"\n')
+    (tmp_path / "no_prompt.jsonl").write_text('{"text": "a cat"}\n')
+    for extra, message in [
+            (["--output-dir", str(tmp_path / "a_file")], "a_file' is a file"),
+            (["--train-prompts", str(tmp_path / "bad.jsonl")], "must be a JSON object with"),
+            (["--test-prompts", str(tmp_path / "no_prompt.jsonl")], "with a 'prompt' field"),
+            (["--mixed-precision", "fp16"], "fp16 needs a GPU")]:
+        assert_bad_input(script, flags + extra, message)
 
 
 def configs_only(tiny_sd3, tmp_path) -> Path:
@@ -202,7 +235,7 @@ def test_dance_refuses_an_sd35_checkpoint(tiny_flux, tmp_path, grpo_lora_run):
     assert_bad_input("dance_grpo_flux.py", flags, "is not a checkpoint of dance_grpo_flux.py")
 
 
-def test_extra_reward_values_are_logged_and_flat_epochs_warn(tiny_sd3, tmp_path):
+def test_extra_reward_values_are_logged_and_flat_epochs_show(tiny_sd3, tmp_path):
     (tmp_path / "r.py").write_text(
         "import torch\n"
         "def flat(images, prompts, metadata):\n"
@@ -211,13 +244,13 @@ def test_extra_reward_values_are_logged_and_flat_epochs_warn(tiny_sd3, tmp_path)
     flags += ["--reward", f"{tmp_path / 'r.py'}:flat", "--epochs", "2"]
     process = run_script("grpo_sd35.py", flags, check=False)
     assert process.returncode == 0, process.stderr[-3000:]
-    # warned once, not every epoch
-    assert process.stderr.count("UserWarning: an epoch where every group") == 1
+    assert "reward 1.0000 ± 0.0000" in process.stdout  # a flat epoch: nothing to learn
     runs = list((tmp_path / "out").iterdir())
     assert len(runs) == 1, runs
     first, last = read_metrics(runs[0])
     assert 0 < first["reward/flat_raw"] < 1 and 0 < first["eval/flat_raw"] < 1
     assert "eval/final_flat_raw" in last
+    assert first["reward/zero_std_group_frac"] == last["reward/zero_std_group_frac"] == 1
 
 
 def test_non_finite_stop_names_the_value_and_only_an_existing_checkpoint(tmp_path):
@@ -242,3 +275,27 @@ def test_prepare_run_dir_drops_redone_epochs_and_crashed_saves(tmp_path):
     grpo_sd35.prepare_run_dir(str(tmp_path), start_epoch=2)
     assert [epoch["epoch"] for epoch in read_metrics(tmp_path)] == [0, 1]
     assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_resume_latest_starts_then_continues_in_the_same_run(tiny_sd3, tmp_path):
+    """`--resume latest` (a launcher's restart loop): no save of this exp-name and seed yet
+    starts a run; a later launch continues the newest save in its run directory."""
+    flags = tiny_sd35_flags(tiny_sd3, tmp_path / "out") + ["--resume", "latest"]
+    run_dir = run_script("grpo_sd35.py", flags + ["--epochs", "2"])
+    resumed = run_script("grpo_sd35.py", flags + ["--epochs", "3"])
+    assert resumed == run_dir  # the same (only) run directory, continued
+    assert [m["epoch"] for m in read_metrics(run_dir)] == [0, 1, 2]
+    assert (run_dir / "checkpoints" / "epoch_00003" / "state.pt").is_file()
+
+
+def test_sheet_has_a_row_per_distinct_test_prompt(tiny_sd3, tmp_path):
+    """2 prompts x 6 samples, 16 cells: rows of 4 (the first 4 samples of one prompt each),
+    2 rows: 128 x 64 pixels at 32 px (the first 16 indices would fill 4 x 3)."""
+    prompts = tmp_path / "repeated.txt"
+    prompts.write_text("a red square\n" * 6 + "a blue circle\n" * 6)
+    flags = tiny_sd35_flags(tiny_sd3, tmp_path / "out") + ["--test-prompts", str(prompts),
+                                                          "--epochs", "1"]
+    run_dir = run_script("grpo_sd35.py", flags)
+    with Image.open(run_dir / "eval_00000.png") as sheet:
+        assert sheet.size == (128, 64)
+    assert read_metrics(run_dir)[0]["eval/diversity"] > 0  # 2 groups of 6

@@ -54,7 +54,7 @@ ONE_GROUP = torch.zeros(3, dtype=torch.long)
 def policy(r, advantages, group_ids, crd_beta=1.0, adv_clip=5.0):
     """crd_loss's policy loss on one process, without KL and accumulation."""
     return crd_loss(r, r.detach(), advantages, group_ids, 0, 1, None, None, 1, crd_beta,
-                    adv_clip, 0.0, False)[1]
+                    adv_clip, 0.0)[1]
 
 
 def centered_sq(r, a, p, beta):
@@ -106,14 +106,14 @@ def test_ranks_backpropagate_their_part_and_their_mean_is_the_whole_gradient():
     ids = torch.tensor([0, 0, 1, 1, 1, 0])  # prompts spread over the two ranks' 3 images
     whole = r.clone().requires_grad_(True)
     loss, whole_policy, _, _ = crd_loss(whole, r, advantages, ids, 0, 1, None, None, 4, 1.5,
-                                        5.0, 0.0, False)
+                                        5.0, 0.0)
     assert loss.item() == pytest.approx(whole_policy.item() / 4)  # / accum_steps
     loss.backward()
     grads = []
     for rank in range(2):
         mine = r[3 * rank : 3 * rank + 3].clone().requires_grad_(True)
         loss, rank_policy, _, _ = crd_loss(mine, r, advantages, ids, rank, 2, None, None, 4,
-                                           1.5, 5.0, 0.0, False)
+                                           1.5, 5.0, 0.0)
         assert rank_policy.item() == pytest.approx(whole_policy.item(), rel=1e-6)
         assert loss.item() == pytest.approx(2 * rank_policy.item() / 4)  # x world / accum
         loss.backward()
@@ -129,18 +129,15 @@ def test_reward_adaptive_kl_by_hand():
     advantages = torch.tensor([5.0, -5.0])  # mapped to a = 1 and a = 0
     r, ids = torch.zeros(2), torch.zeros(2, dtype=torch.long)
 
-    def kl_terms(v_teacher, kl_beta, reward_adaptive):
-        return crd_loss(r, r, advantages, ids, 0, 1, v, v_teacher, 1, 1.0, 5.0, kl_beta,
-                        reward_adaptive)
+    def kl_terms(v_teacher, kl_beta):
+        return crd_loss(r, r, advantages, ids, 0, 1, v, v_teacher, 1, 1.0, 5.0, kl_beta)
 
-    loss, policy_loss, kl_loss, kl = kl_terms(teacher, 0.1, True)
+    loss, policy_loss, kl_loss, kl = kl_terms(teacher, 0.1)
     assert torch.allclose(kl, kl_per)
     c_min = 1e-4 / 0.1  # a = 1 -> weight 1, a = 0 -> c_min: per-image coefficients 0.1, 1e-4
     assert kl_loss.item() == pytest.approx(0.1 * (1.0 * 2.5 + c_min * 2.0) / 2, rel=1e-6)
     assert loss.item() == pytest.approx(policy_loss.item() + kl_loss.item(), rel=1e-6)
-    _, _, kl_loss, _ = kl_terms(teacher, 0.1, False)
-    assert kl_loss.item() == pytest.approx(0.1 * 2.25, rel=1e-6)
-    _, _, kl_loss, kl = kl_terms(None, 0.0, True)  # no teacher: no KL
+    _, _, kl_loss, kl = kl_terms(None, 0.0)  # no teacher: no KL
     assert kl_loss.item() == 0.0 and kl is None
 
 
@@ -228,13 +225,13 @@ def test_one_process_run_snapshots_follow_their_schedules(one_process_run):
 
 @pytest.fixture(scope="module")
 def frozen_old_run(tiny_sd3, tmp_path_factory) -> tuple[Path, str]:
-    """1 epoch: frozen old, half-blended sampler, batch centering, EMA every epoch, and 6 > 4
+    """1 epoch: frozen old, half-blended sampler, 8-image micro-batches, EMA every epoch, 6 > 4
     grid points as train timesteps (none of which changes what the other checks); returns the
     run dir and its stdout."""
     out = tmp_path_factory.mktemp("crd_frozen")
     extra = ["--epochs", "1", "--old-decay", "0", "1", "0", "1",
              "--sampling-decay", "0", "0.5", "0", "0.5",
-             "--center-by", "batch", "--batch-size", "8", "--updates-per-epoch", "1",
+             "--batch-size", "8", "--updates-per-epoch", "1",
              "--ema-every", "1", "--num-train-timesteps", "6"]
     proc = run_script(SCRIPT, flags(tiny_sd3, out, *extra), check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -242,7 +239,7 @@ def frozen_old_run(tiny_sd3, tmp_path_factory) -> tuple[Path, str]:
     return run_dir, proc.stdout
 
 
-def test_frozen_old_half_blended_sampler_and_batch_centering(frozen_old_run):
+def test_frozen_old_and_half_blended_sampler(frozen_old_run):
     run_dir = frozen_old_run[0]
     (metrics,) = assert_common_run(run_dir, epochs=1)
     assert metrics["charts/old_decay"] == 1.0 and metrics["charts/sampling_decay"] == 0.5

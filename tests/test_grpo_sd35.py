@@ -7,9 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_sd35 import (draw_sde_window, grpo_loss, predict_velocity, ratio_norm_log_ratio,
-                       rollout)
-from sde import compute_advantages, group_advantages
+from grpo_sd35 import grpo_loss, predict_velocity, rollout
+from sde import compute_advantages, group_advantages, ratio_norm_log_ratio, sde_window
 from scripts_harness import (TOY_REWARD, TOY_SD3, assert_accuracy_rose, assert_bad_input,
                              assert_common_run, assert_eval_only_reproduces, cut_back_copy,
                              lora_tensors, read_metrics, run_script, tiny_sd35_flags, toy_flags)
@@ -121,17 +120,17 @@ def fake_cond(batch: int):
 
 
 def test_sde_window_start_is_drawn_from_a_to_b_minus_k_inclusive():
-    draws = [draw_sde_window(3, (0, 5), 10, torch.Generator().manual_seed(s)) for s in range(200)]
+    draws = [sde_window(3, (0, 5), 10, torch.Generator().manual_seed(s)) for s in range(200)]
     # upstream random.randint(0, 5 - 3): both ends included
     assert {start for start, _ in draws} == {0, 1, 2}
     assert all(end == start + 3 <= 5 for start, end in draws)  # the window never leaves [A, B)
-    draws = {draw_sde_window(2, (4, 6), 10, torch.Generator().manual_seed(s)) for s in range(20)}
+    draws = {sde_window(2, (4, 6), 10, torch.Generator().manual_seed(s)) for s in range(20)}
     assert draws == {(4, 6)}
     # no window: every step is SDE (May-2025 Flow-GRPO)
-    assert draw_sde_window(0, (0, 5), 10, None) == (0, 10)
+    assert sde_window(0, (0, 5), 10, None) == (0, 10)
     gen_a, gen_b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    draws_a = [draw_sde_window(2, (0, 6), 10, gen_a) for _ in range(9)]
-    assert draws_a == [draw_sde_window(2, (0, 6), 10, gen_b) for _ in range(9)]  # resumable
+    draws_a = [sde_window(2, (0, 6), 10, gen_a) for _ in range(9)]
+    assert draws_a == [sde_window(2, (0, 6), 10, gen_b) for _ in range(9)]  # resumable
 
 
 @pytest.mark.parametrize("kind", ["flow", "cps"])
@@ -304,8 +303,8 @@ TOY_FAST = ["--batch-size", "16", "--updates-per-epoch", "1", "--learning-rate",
 FAST_NOCFG = ["--sde-window-size", "2", "--sde-window-range", "0", "3", "--sde-kind", "cps",
               "--noise-level", "0.8", "--clip-range", "1e-5", "--guidance-scale", "1",
               "--kl-beta", "0.04"]
-GUARD = ["--ratio-norm", "--clip-range", "2e-6", "--learning-rate", "1e-4", "--kl-beta", "0",
-         "--per-group-std"]
+GUARD = ["--trust-region", "ratio-norm", "--clip-range", "2e-6", "--learning-rate", "1e-4",
+         "--kl-beta", "0", "--per-group-std"]
 
 
 def run_printing(flags: list[str], nproc: int = 1):
@@ -353,6 +352,38 @@ def test_ratio_norm_over_every_step(tiny_sd3, tmp_path):
         assert m["losses/on_policy_ratio_dev"] < 1e-6
 
 
+# Flow-DPPO (UniRL's SD3 recipe: KL mask, no clip, 3 SDE steps in [0, 5)) and MixGRPO's sliding
+# window (UniRL's sd3_mixgrpo: window 4, moved 3 steps every N epochs; here every epoch)
+DPPO = ["--trust-region", "dppo", "--sde-window-size", "2", "--sde-window-range", "0", "3",
+        "--kl-beta", "0", "--learning-rate", "1e-2"]
+MIX = ["--sde-window-size", "2", "--sde-window-range", "0", "4", "--window-shift-every", "1"]
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_dppo_run_masks_only_off_policy_and_starts_on_policy(tiny_sd3, tmp_path, nproc):
+    flags = tiny_sd35_flags(tiny_sd3, tmp_path) + DPPO + ["--epochs", "2", "--updates-per-epoch",
+                                                          "2", "--batch-size", str(4 // nproc)]
+    run_dir, stdout = run_printing(flags, nproc)
+    metrics = assert_common_run(run_dir, epochs=2)
+    for m in metrics:
+        assert m["losses/on_policy_ratio_dev"] < 1e-6  # the first micro-step: ratio 1
+        assert 0 <= m["losses/dppo_masked_frac"] <= 1
+        assert 0 <= m["losses/dppo_old_kl"] <= m["losses/dppo_old_kl_max"]
+    # the second update runs after a large step: its steps moved off the rollout's means
+    assert metrics[-1]["losses/dppo_old_kl_max"] > 0
+
+
+def test_sliding_window_moves_with_the_epoch(tiny_sd3, tmp_path):
+    flags = tiny_sd35_flags(tiny_sd3, tmp_path) + MIX + ["--epochs", "3"]
+    run_dir, stdout = run_printing(flags)
+    assert "of 2 micro-steps each" in stdout  # each micro-batch trains its window's 2 steps
+    for m in assert_common_run(run_dir, epochs=3):
+        assert m["losses/on_policy_ratio_dev"] < 1e-6
+    # windows [0, 2), [1, 3), [2, 4): every step of the range was trained once (sde.py's rule)
+    assert [sde_window(2, (0, 4), 4, None, epoch, 1) for epoch in range(3)] == [
+        (0, 2), (1, 3), (2, 4)]
+
+
 def test_window_run_resumes_exactly(tiny_sd3, tmp_path, fast_run):
     first = cut_back_copy(fast_run[0], tmp_path / "a")  # as if it had stopped after epoch 1
     resume = ["--resume", str(first / "checkpoints" / "epoch_00001")]
@@ -365,22 +396,11 @@ def test_window_run_resumes_exactly(tiny_sd3, tmp_path, fast_run):
     assert read_metrics(resumed)[1]["reward/mean"] == read_metrics(fast_run[0])[1]["reward/mean"]
 
 
-def test_eval_guidance_scale_is_used_by_eval_only(tiny_sd3, tmp_path, one_process_run):
-    resume = ["--eval-only", "--resume", str(one_process_run / "checkpoints" / "epoch_00002")]
-    evals = []
-    for name, scale in [("same", "4.5"), ("one", "1")]:
-        flags = tiny_sd35_flags(tiny_sd3, tmp_path / name) + resume
-        run_dir = run_script(SCRIPT, flags + ["--eval-guidance-scale", scale])
-        evals.append(read_metrics(run_dir)[0]["eval/reward_mean"])
-    assert evals[0] == read_metrics(one_process_run)[-1]["eval/final_reward_mean"]
-    assert evals[1] != evals[0]
-
-
 @pytest.mark.parametrize("flags,message", [
     (["--sde-window-size", "3", "--sde-window-range", "0", "2"], "does not fit"),
     (["--sde-window-size", "2", "--sde-window-range", "3", "5"], "does not fit"),  # B > 4 steps
     (["--sde-window-size", "-1"], "does not fit"),
-    (["--ratio-norm", "--sde-kind", "cps"], "--ratio-norm needs --sde-kind flow"),
+    (["--trust-region", "ratio-norm", "--sde-kind", "cps"], "ratio-norm needs --sde-kind flow"),
     (["--train-prompts", "missing.txt"], "does not exist"),
     (["--reward", "no_such_reward"], "no_such_reward"),
     (["--model", "/nonexistent/model"], "no local pipeline directory"),

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sde import flow_sigma_t, gaussian_log_prob, sde_step, shift_sigmas
+from sde import (dppo_keep, flow_sigma_t, gaussian_log_prob, sde_step, sde_window, shift_sigmas,
+                 step_kl)
 
 SHAPE = (2, 3, 4, 4)  # (B, C, H, W)
 BATCH = SHAPE[0]
@@ -220,3 +221,68 @@ def test_sde_py_stays_readable():
     lines = (Path(__file__).parent.parent / "sde.py").read_text().splitlines()
     assert len(lines) <= 250
     assert [line for line in lines if len(line) > 100] == []
+
+
+# ---- Issue 28: Flow-DPPO's mask and KL, MixGRPO's window ----
+# Golden numbers from the upstream rules (/work notes: a trimmed re-implementation of
+# Tencent-Hunyuan/UniRL@1a7b501 unirl/algorithms/flowdppo.py::_flowdppo_kl_adv_loss and
+# Tencent-Hunyuan/MixGRPO@e5cdd6a fastvideo/utils/grpo_states.py::GRPOTrainingStates, run
+# on these inputs).
+
+def test_step_kl_is_the_gaussian_kl_over_the_element_count():
+    gen = torch.Generator().manual_seed(0)
+    mean, other = torch.randn(3, 4, 2, 2, generator=gen), torch.randn(3, 4, 2, 2, generator=gen)
+    std = torch.tensor([0.5, 1.0, 2.0]).view(3, 1, 1, 1)
+    for b in range(3):
+        p = torch.distributions.Normal(mean[b].flatten(), std[b].flatten().expand(16))
+        q = torch.distributions.Normal(other[b].flatten(), std[b].flatten().expand(16))
+        exact = torch.distributions.kl_divergence(p, q).sum()  # a sum over the 16 elements
+        assert step_kl(mean, other, std)[b].item() == pytest.approx(exact.item() / 16, rel=1e-5)
+    assert step_kl(mean, mean, std).abs().max() == 0
+
+
+def test_dppo_keep_drops_only_aggressive_moves_past_the_threshold():
+    ratio = torch.tensor([1.1, 0.9, 1.1, 0.9, 1.1, 0.9, 1.1, 0.9])
+    advantage = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0, 1.0])
+    kl = torch.tensor([2e-5] * 4 + [5e-6] * 4)
+    keep = dppo_keep(ratio, advantage, kl, 1e-5)
+    # over the threshold: A > 0 pushing ratio up, A < 0 pushing it down are dropped; the two
+    # corrective moves stay; under the threshold everything stays
+    assert keep.tolist() == [False, False, True, True, True, True, True, True]
+    assert dppo_keep(torch.ones(2), torch.tensor([1.0, -1.0]), torch.ones(2), 1e-5).all()
+    assert dppo_keep(torch.tensor([2.0]), torch.zeros(1), torch.ones(1), 1e-5).all()  # A = 0
+
+
+def test_dppo_golden_case_from_upstreams_rule():
+    """B 4, three steps with UniRL's sigma_t (eta 0.7, SD3 shift 3, 10 steps: steps 0, 2, 4),
+    mu_old 0, mu_new = d on a 1x2x2 latent: UniRL's loss -0.0744814, a quarter masked."""
+    d = torch.tensor([[0, 1e-3, 5e-3], [2e-3, 2e-3, 2e-3], [1e-2, 0, 1e-2], [5e-3, 5e-3, 5e-3]])
+    log_ratio = torch.tensor([[.1, .1, -.1], [.1, -.1, .1], [.2, 0, -.2], [-.1, .1, -.1]])
+    advantage = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    sigma_t = [1.32288, 0.53169, 0.38774]
+    terms, keeps = [], []
+    for step in range(3):
+        mean = d[:, step].view(4, 1, 1, 1).expand(4, 1, 2, 2)
+        kl = step_kl(mean, torch.zeros_like(mean), torch.tensor(sigma_t[step]))
+        keep = dppo_keep(log_ratio[:, step].exp(), advantage, kl, 1e-5)
+        keeps.append(keep)
+        terms.append(torch.where(keep, -advantage * log_ratio[:, step].exp(), 0.0))
+    keep = torch.stack(keeps, 1)
+    assert keep.tolist() == [[True, True, True], [True, True, False], [True, True, False],
+                             [True, True, False]]
+    assert torch.stack(terms).mean().item() == pytest.approx(-0.0744814, abs=1e-6)
+
+
+@pytest.mark.parametrize("window_range,shift_every,stride,expected", [
+    # MixGRPO's scripts: 25 steps (windows in steps [0, 23)), window 4, every 25 iterations,
+    # stride 1: upstream's start floor(k / 25) mod 24 agrees while the window fits (k < 500)
+    ((0, 23), 25, 1, {0: 0, 24: 0, 25: 1, 100: 4, 299: 11, 499: 19}),
+    # UniRL's sd3_mixgrpo: 10 steps, window 4, overlap 1 (stride 3), every 25: it wraps
+    ((0, 10), 25, 3, {0: 0, 25: 3, 50: 6, 75: 0, 1000: 3}),
+])
+def test_sliding_window_follows_mixgrpo(window_range, shift_every, stride, expected):
+    for epoch, start in expected.items():
+        window = sde_window(4, window_range, 25, None, epoch, shift_every, stride)
+        assert window == (start, start + 4), epoch
+    # our rule starts over once the last full window is passed (upstream's would shrink)
+    assert sde_window(4, (0, 23), 25, None, 500, 25, 1) == (0, 4)
