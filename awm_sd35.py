@@ -3,9 +3,11 @@
 Paper: AWM, https://arxiv.org/abs/2509.25050
 
 The defaults are the paper's OCR run (upstream config/dgx_awm.py::ocr_sd3_no_cfg_1node),
-rescaled to any GPU count. GenEval, PickScore, a CPU demo on the toy world: README.md.
+rescaled to any GPU count (GenEval, PickScore: README.md).
     torchrun --nproc_per_node 8 awm_sd35.py --train-prompts ocr/train.txt \
         --test-prompts ocr/test.txt
+
+CPU demo on the toy world (a few minutes): README.md, "Running a script".
 
 Provenance: scxue/advantage_weighted_matching@be51372 unless named.
     awm_log_prob          scripts/train_sd3_awm.py, compute_log_prob_awm
