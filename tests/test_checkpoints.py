@@ -183,7 +183,7 @@ def test_bad_reward_file_and_wandb_login_fail_before_the_model_loads(tiny_sd3, t
     assert_bad_input("grpo_sd35.py", flags + ["--track"], "--track needs a wandb login",
                      in_process=False, env=no_login)
     assert_bad_input("dance_grpo_flux.py", flags + ["--resolution", "36"],
-                     "not a multiple of 8 (VAE downsampling x 2x2")
+                     "not a positive multiple of 8 (VAE downsampling x 2x2")
 
 
 def test_unreachable_reward_server_fails_fast_before_the_model_loads(tiny_sd3, tmp_path):
