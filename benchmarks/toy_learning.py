@@ -1,5 +1,5 @@
-"""Learning on the toy world: every script, plus Flow-GRPO-Fast, GRPO-Guard and KL variants,
-at an equal image budget.
+"""Learning on the toy world: every script, plus Flow-GRPO-Fast, GRPO-Guard, Flow-DPPO, MixGRPO
+and KL variants, at an equal image budget.
 
 Each variant is launched exactly as a user would (subprocess, CPU, fp32) on the committed
 pretrained toy pipelines (tests/assets/toy-sd3 for the SD3.5 scripts, toy-flux for
@@ -25,7 +25,8 @@ once).
     python benchmarks/toy_learning.py
     # a subset
     python benchmarks/toy_learning.py --variants nft grpo --seeds 42
-    # the longer budget
+    # the longer budget (CPU: 2-11 min a run on one core)
+    python benchmarks/toy_learning.py --images 4608 --eval-every 8
     python benchmarks/toy_learning.py --images 4608 --eval-every 8 --device cuda --jobs 8
 """
 
@@ -49,7 +50,8 @@ from scripts_harness import TOY_FLUX, TOY_SD3, toy_flags  # noqa: E402
 
 # Per-variant flags on top of toy_flags (6 prompts x group 16 = 96 images per epoch): the
 # README demos' recipes and variants of them (RESULTS.md section 2); everything not listed is
-# the script's default. The GRPO variants make one on-policy update per epoch.
+# the script's default. The GRPO variants make one on-policy update per epoch, but Flow-DPPO:
+# its mask only acts off-policy, on the second.
 GRPO = ["--batch-size", "16", "--updates-per-epoch", "1", "--guidance-scale", "1"]
 VARIANTS = {
     "grpo": ("grpo_sd35.py", GRPO + ["--learning-rate", "1e-3"]),
@@ -60,13 +62,18 @@ VARIANTS = {
         "--sde-kind", "cps", "--noise-level", "0.8", "--clip-range", "1e-5"]),
     "grpo-guard": ("grpo_sd35.py", GRPO + [
         "--learning-rate", "3e-3", "--trust-region", "ratio-norm"]),
-    "grpo-dppo": ("grpo_sd35.py", GRPO + [  # Flow-DPPO's KL mask, UniRL's window
+    "grpo-dppo": ("grpo_sd35.py", [  # Flow-DPPO's KL mask, UniRL's window and 2 updates
+        "--batch-size", "16", "--updates-per-epoch", "2", "--guidance-scale", "1",
         "--learning-rate", "1e-3", "--trust-region", "dppo", "--sde-window-size", "3",
         "--sde-window-range", "0", "5", "--kl-beta", "0"]),
     "grpo-mix": ("grpo_sd35.py", GRPO + [  # MixGRPO's sliding window, moved every 4 epochs
         "--learning-rate", "1e-3", "--sde-window-size", "4", "--sde-window-range", "0", "9",
         "--window-shift-every", "4"]),
-    "nft": ("nft_sd35.py", ["--batch-size", "16", "--learning-rate", "3e-3"]),
+    "nft": ("nft_sd35.py", [  # the paper's KL and EMA
+        "--batch-size", "16", "--learning-rate", "3e-3", "--kl-beta", "1e-4",
+        "--ema-decay", "0.9"]),
+    "nft-kl0": ("nft_sd35.py", [  # no KL, no EMA: learns as fast, then collapses
+        "--batch-size", "16", "--learning-rate", "3e-3"]),
     "awm": ("awm_sd35.py", [
         "--batch-size", "16", "--train-batch-size", "8", "--anchor-beta", "0", "--sampler", "ode",
         "--learning-rate", "1e-3"]),

@@ -23,6 +23,12 @@ def test_flags_a_variant_and_extra_flags_replace_toy_flags():
     assert set(toy_flags(TOY_SD3, "OUT")) <= set(flags)
     _, dance = toy_learning.flags_of("dance")
     assert "--kl-beta" not in dance  # DanceGRPO has no KL term
+    for variant in toy_learning.VARIANTS:  # each flag once: the command says what runs
+        _, flags = toy_learning.flags_of(variant)
+        names = [flag for flag in flags if flag.startswith("--")]
+        assert len(names) == len(set(names)), variant
+    _, dppo = toy_learning.flags_of("grpo-dppo")  # the mask acts only off-policy
+    assert dppo[dppo.index("--updates-per-epoch") + 1] == "2"
 
 
 def test_cpu_runs_hide_the_gpu_and_cuda_needs_one(monkeypatch):
