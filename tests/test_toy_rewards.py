@@ -300,13 +300,19 @@ def test_smearing_a_wrong_object_into_specks_never_pays():
     assert scores == pytest.approx([1, 1 / 3, 0])
 
 
-def test_info_reports_exact_score_objects_and_debris():
+def test_info_reports_exact_score_objects_debris_and_attributes():
     images = batch(render("two red squares", 3), black(), render("a blue square", 1))
     prompts = ["two red squares", "two red squares", "two red squares"]
     scores, info = counting_partial(images, prompts, None)
     assert scores.tolist() == pytest.approx([1, 0, 1 / 3])
     assert info["exact"] == counting(images, prompts, None)[0].tolist() == [1, 0, 0]
     assert info["objects_found"] == [2, 0, 1] and info["debris_pixels"] == [0, 0, 0]
+    # 'a blue square' for 'two red squares': only the shape is right
+    assert info["right_count"] == info["right_color"] == [1, 0, 0]
+    assert info["right_shape"] == [1, 0, 1]
+    attribute_mean = [sum(checks) / 3 for checks in
+                      zip(info["right_count"], info["right_color"], info["right_shape"])]
+    assert attribute_mean == pytest.approx(scores.tolist())
     objects, debris = detect(images[0])
     assert [(o.color, o.shape) for o in objects] == [("red", "square")] * 2 and debris == 0
     assert sum(o.area for o in objects) == (images[0].amax(0) > 0).sum()

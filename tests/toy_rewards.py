@@ -201,6 +201,9 @@ def detect(image: torch.Tensor) -> tuple[list[Found], int]:
 
 def _score(images, prompts, partial: bool):
     scores, exact, found, debris_pixels = [], [], [], []
+    # which of the three checks each image passes (0 with debris or no object, as partial
+    # credit): the metrics then show what a run learns, e.g. color but not shape
+    attributes = {"right_count": [], "right_color": [], "right_shape": []}
     for image, prompt in zip(images, prompts):
         count, color, shape = parse_prompt(prompt)
         objects, debris = detect(image)
@@ -211,10 +214,12 @@ def _score(images, prompts, partial: bool):
         scored = bool(objects) and debris <= MAX_DEBRIS * image.shape[1] * image.shape[2]
         exact.append(float(scored and all(checks)))
         partial_credit = sum(checks) / 3 if scored else 0.0
+        for passed, check in zip(attributes.values(), checks):
+            passed.append(float(scored and check))
         scores.append(partial_credit if partial else exact[-1])
         found.append(len(objects))
         debris_pixels.append(debris)
-    info = {"objects_found": found, "debris_pixels": debris_pixels}
+    info = {"objects_found": found, "debris_pixels": debris_pixels, **attributes}
     if partial:
         info["exact"] = exact
     return torch.tensor(scores, dtype=torch.float32), info
