@@ -3,6 +3,7 @@ disk like real ones."""
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 # Before anything imports huggingface_hub: tests never touch the hub.
@@ -17,7 +18,26 @@ for folder in (TESTS.parent, TESTS):
 
 import pytest  # noqa: E402
 
+from scripts_harness import (LEARNING_TEST, start_learning_run,  # noqa: E402
+                             stop_learning_runs)
 from tiny import build_tiny_flux, build_tiny_sd3  # noqa: E402
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection
+def pytest_collection_modifyitems(config, items):
+    """Start the selected toy-world learning runs now, in the background
+    (scripts_harness.LEARNING_RUNS): they take minutes and overlap the rest of the suite."""
+    if config.option.collectonly:
+        return
+    for item in items:
+        if item.name == LEARNING_TEST:
+            module = item.module
+            out = Path(tempfile.mkdtemp(prefix=f"learning-{module.SCRIPT[:-3]}-"))
+            start_learning_run(module.SCRIPT, module.LEARNING_FLAGS, out)
+
+
+def pytest_sessionfinish(session):
+    stop_learning_runs()  # finished ones are only cleaned up
 
 
 @pytest.fixture(scope="session")

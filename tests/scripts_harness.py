@@ -182,6 +182,43 @@ def toy_flags(model: str, out, steps: int = 10) -> list[str]:
             "--eval-every", "1000", "--save-every", "1000"]
 
 
+# The four toy-world learning tests train for minutes on one thread each, while the rest of the
+# suite mostly runs one single-threaded script at a time. conftest.py starts the selected ones
+# as background processes when the session starts (on the otherwise idle core); each test then
+# waits for its own. The runs are deterministic, so load does not change their numbers.
+LEARNING_TEST = "test_learning_toy_accuracy_rises"
+LEARNING_RUNS: dict[str, tuple[subprocess.Popen, Path]] = {}
+
+
+def start_learning_run(script: str, flags: list[str], out: Path):
+    """Launch `script` on the toy world (toy_flags + flags, output under `out`) without
+    waiting; its stdout and stderr go to files in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, script] + toy_flags(TOY_SD3, out / "runs") + flags
+    with open(out / "stdout.txt", "w") as stdout, open(out / "stderr.txt", "w") as stderr:
+        process = subprocess.Popen(command, cwd=REPO, env=script_env(), stdout=stdout,
+                                   stderr=stderr)
+    LEARNING_RUNS[script] = process, out
+
+
+def learning_run(script: str, flags: list[str], out: Path) -> Path:
+    """Wait for the background run of `script` (starting it now if the session did not) and
+    return its run directory."""
+    if script not in LEARNING_RUNS:
+        start_learning_run(script, flags, out)
+    process, out = LEARNING_RUNS[script]
+    assert process.wait(timeout=1800) == 0, (out / "stderr.txt").read_text()[-6000:]
+    (run_dir,) = [path for path in (out / "runs").iterdir() if path.is_dir()]
+    return run_dir
+
+
+def stop_learning_runs():
+    for process, out in LEARNING_RUNS.values():
+        process.kill()
+        process.wait()
+        shutil.rmtree(out, ignore_errors=True)
+
+
 def assert_accuracy_rose(metrics: list[dict], min_gain: float):
     """Held-out exact accuracy after training beats the base model's by min_gain.
 

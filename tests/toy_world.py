@@ -11,11 +11,15 @@ when the detector finds exactly what the prompt asks for.
 
 The committed copies live in tests/assets/toy-sd3 and tests/assets/toy-flux (prompt files
 next to them), so tests, benchmarks and the demo never train. Time to build, 1 thread on the
-shared 2-core dev box: VAE 1 min, SD3 (1,500 steps at batch 64) 9-17 min, FLUX (4,000 steps)
-8-13 min: about 15 min on 2 idle cores, 30 min when busy. CPU training is not
-bit-reproducible across thread counts, and held-out accuracy varies between builds: two SD3
-builds gave 0.31 and 0.41 (the committed one; it was trained on the first build's VAE), FLUX
-0.26 (build eval, 96 samples).
+shared 2-core dev box: VAE 1 min, SD3 (4,000 steps at batch 64) 16 min, FLUX (4,000 steps)
+8-13 min: about 30 min. CPU training is not bit-reproducible across thread counts, and
+held-out accuracy varies between builds (10 Euler steps, CFG 4.5, 96 samples): two SD3 builds
+with transformer init seeds 0 (the committed one) and 1 gave 0.552 and 0.594; FLUX 0.26.
+The committed SD3 toy keeps the encoders and VAE of an earlier build and only its transformer
+was retrained. SD3 trains 4,000 steps, not the earlier 1,500: at 1,500 it drew 40 % of its
+objects as blends of a square and a triangle (trapezoids, mounds), on training prompts too,
+which capped exact credit for every RL method; at 4,000, 16 % (benchmarks/DANCE_DIAGNOSIS.md
+section 10).
 
 Both pipelines reuse tests/tiny.py's random text encoders and tokenizers (CLIP tokenizers cut
 at 24 tokens: prompts are short), share one VAE trained as an autoencoder (4 latent channels,
@@ -248,7 +252,7 @@ def tokenizers(pad_token="<|endoftext|>"):
     return tok
 
 
-def build(out_dir: str, vae_steps: int = 900, transformer_steps: int = 1500,
+def build(out_dir: str, vae_steps: int = 900, transformer_steps: int = 4000,
           flux_steps: int = 4000, batch: int = 64, lr: float = 2e-3, pool: int = 8192,
           log=print):
     """Train the VAE, then SD3 and FLUX transformers; save OUT_DIR/toy-sd3 and
