@@ -70,8 +70,8 @@ VARIANTS = {
     "grpo-mix": ("grpo_sd35.py", GRPO + [  # MixGRPO's sliding window, moved every 4 epochs
         "--learning-rate", "1e-3", "--sde-window-size", "4", "--sde-window-range", "0", "9",
         "--window-shift-every", "4"]),
-    "nft": ("nft_sd35.py", [  # the paper's KL and EMA
-        "--batch-size", "16", "--learning-rate", "3e-3", "--kl-beta", "1e-4",
+    "nft": ("nft_sd35.py", [  # the README demo: the paper's KL and EMA
+        "--batch-size", "16", "--learning-rate", "1e-3", "--kl-beta", "1e-4",
         "--ema-decay", "0.9"]),
     "nft-kl0": ("nft_sd35.py", [  # no KL, no EMA: learns as fast, then collapses
         "--batch-size", "16", "--learning-rate", "3e-3"]),

@@ -193,17 +193,17 @@ def test_two_process_torchrun(tiny_sd3, tmp_path):
 
 # README's NFT demo (the paper's KL 1e-4 and EMA 0.9), run in the background from the
 # session's start (scripts_harness.LEARNING_RUNS)
-LEARNING_FLAGS = ["--batch-size", "16", "--learning-rate", "3e-3", "--kl-beta", "1e-4",
+LEARNING_FLAGS = ["--batch-size", "16", "--learning-rate", "1e-3", "--kl-beta", "1e-4",
                   "--ema-decay", "0.9", "--epochs", "16"]
 
 
 def test_learning_toy_accuracy_rises(tmp_path):
     # toy world, README's NFT demo: held-out exact accuracy (strict counting) after 16 epochs
-    # rose by +0.188 (seed 42, this test: 0.500 -> 0.688), +0.125 (seed 1), +0.062 (seed 2); a
+    # rose by +0.104 (seed 42, this test: 0.500 -> 0.604), +0.083 (seed 1), +0.042 (seed 2); a
     # run that changes nothing gains exactly 0. Margin: the gains' spread over those seeds,
-    # 0.051
+    # 0.026. (lr 3e-3 gained more at 16 epochs, +0.125 on average, and collapsed by 48)
     run_dir = learning_run(SCRIPT, LEARNING_FLAGS, tmp_path)
-    assert_accuracy_rose(read_metrics(run_dir), min_gain=0.1875 - 0.051)
+    assert_accuracy_rose(read_metrics(run_dir), min_gain=0.1042 - 0.026)
 
 
 @pytest.mark.parametrize("extra,message", [
