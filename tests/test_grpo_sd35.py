@@ -299,6 +299,8 @@ def test_learning_toy_accuracy_rises(tmp_path):
     # gains nothing on average (README, "CPU demos")
     run_dir = learning_run(SCRIPT, LEARNING_FLAGS, tmp_path)
     assert_accuracy_rose(read_metrics(run_dir), min_gain=0.115 - 0.051)
+
+
 # upstream *_fast_nocfg, plus a KL
 FAST_NOCFG = ["--sde-window-size", "2", "--sde-window-range", "0", "3", "--sde-kind", "cps",
               "--noise-level", "0.8", "--clip-range", "1e-5", "--guidance-scale", "1",
