@@ -52,7 +52,8 @@ def test_committed_pipelines_are_trained_but_leave_room(kind, guidance, low, hig
     """The diffusers pipeline as a user calls it (10 steps; SD3 at CFG 4.5, FLUX has no CFG)
     on 8 samples of each held-out prompt: clearly trained (far above the 0 of an untrained
     model) and short of perfect, so RL has room. Measured with the strict counting reward:
-    SD3 0.458 (0.167 before its transformer was retrained 4,000 steps), FLUX 0.271."""
+    SD3 0.458 (0.167 before its transformer was retrained 4,000 steps), FLUX 0.479 (0.271
+    before its T5 was trained with it)."""
     from diffusers import FluxPipeline, StableDiffusion3Pipeline
 
     cls = StableDiffusion3Pipeline if kind == "sd3" else FluxPipeline
@@ -67,10 +68,11 @@ def test_committed_pipelines_are_trained_but_leave_room(kind, guidance, low, hig
 
 def test_build_script_writes_pipelines_the_scripts_load(tmp_path):
     """`python tests/toy_world.py OUT` end to end at 2 steps per model: both pipelines load
-    like the committed ones, with the pooled-text path zeroed (the recipe's point) and the
-    VAE's latent statistics in its config."""
+    like the committed ones, with the pooled-text path zeroed (the recipe's point), FLUX's T5
+    trained (SD3's encoders not) and the VAE's latent statistics in its config."""
     from diffusers import FluxPipeline, StableDiffusion3Pipeline
 
+    from tiny import t5_encoder
     from toy_world import build
 
     logs = []
@@ -82,3 +84,7 @@ def test_build_script_writes_pipelines_the_scripts_load(tmp_path):
         pooled_text_path = pipe.transformer.time_text_embed.text_embedder
         assert all((p == 0).all() for p in pooled_text_path.parameters())
         assert pipe.vae.config.scaling_factor != 1.0
+        t5 = pipe.text_encoder_3 if cls is StableDiffusion3Pipeline else pipe.text_encoder_2
+        random_t5 = t5_encoder(t5.config.vocab_size).state_dict()
+        trained = [not torch.equal(w, random_t5[k]) for k, w in t5.state_dict().items()]
+        assert any(trained) == (cls is FluxPipeline)

@@ -11,21 +11,23 @@ when the detector finds exactly what the prompt asks for.
 
 The committed copies live in tests/assets/toy-sd3 and tests/assets/toy-flux (prompt files
 next to them), so tests, benchmarks and the demo never train. Time to build, 1 thread on the
-shared 2-core dev box: VAE 1 min, SD3 (4,000 steps at batch 64) 16 min, FLUX (4,000 steps)
-8-13 min: about 30 min. CPU training is not bit-reproducible across thread counts, and
-held-out accuracy varies between builds (10 Euler steps, CFG 4.5, 96 samples): two SD3 builds
-with transformer init seeds 0 (the committed one) and 1 gave 0.552 and 0.594; FLUX 0.26.
-The committed SD3 toy keeps the encoders and VAE of an earlier build and only its transformer
-was retrained. SD3 trains 4,000 steps, not the earlier 1,500: at 1,500 it drew 40 % of its
-objects as blends of a square and a triangle (trapezoids, mounds), on training prompts too,
-which capped exact credit for every RL method; at 4,000, 16 % (benchmarks/DANCE_DIAGNOSIS.md
-section 10).
+shared 2-core dev box: VAE 1 min, SD3 (4,000 steps at batch 64) 16 min, FLUX (8,000 steps)
+17 min: about 35 min. CPU training is not bit-reproducible across thread counts, and
+held-out accuracy varies between builds (10 Euler steps, 96 samples; SD3 at CFG 4.5, FLUX
+without): two SD3 builds with transformer init seeds 0 (the committed one) and 1 gave 0.552
+and 0.594; FLUX 0.521. The committed toys keep the encoders and VAE of an earlier build; only
+SD3's transformer and FLUX's transformer and T5 were retrained. SD3 trains 4,000 steps, not
+the earlier 1,500: at 1,500 it drew 40 % of its objects as blends of a square and a triangle
+(trapezoids, mounds), on training prompts too, which capped exact credit for every RL method;
+at 4,000, 16 % (benchmarks/DANCE_DIAGNOSIS.md section 10). FLUX trains its T5 with the
+transformer, 8,000 steps: with tests/tiny.py's random T5 (its only per-token text route) no
+RL recipe moved its held-out color or accuracy (DANCE_DIAGNOSIS.md sections 9 and 11).
 
-Both pipelines reuse tests/tiny.py's random text encoders and tokenizers (CLIP tokenizers cut
-at 24 tokens: prompts are short), share one VAE trained as an autoencoder (4 latent channels,
-4x down), and each has a ~0.5M-parameter transformer trained with rectified flow
-(x_s = (1-s) x0 + s eps, target eps - x0, s drawn on the shift-3 schedule the scripts sample
-with, 10% empty prompts so CFG works). Pass `--max-sequence-length 24` (the length the
+Both pipelines use tests/tiny.py's text encoders and tokenizers (random; CLIP tokenizers cut
+at 24 tokens: prompts are short; FLUX's T5 then trained), share one VAE trained as an
+autoencoder (4 latent channels, 4x down), and each has a ~0.5M-parameter transformer trained
+with rectified flow (x_s = (1-s) x0 + s eps, target eps - x0, s drawn on the shift-3 schedule
+the scripts sample with, 10% empty prompts so CFG works). Pass `--max-sequence-length 24` (the length the
 transformers were trained with) and `--resolution 32` to the scripts.
 """
 
@@ -158,10 +160,11 @@ def encode_latents(vae, images: torch.Tensor) -> torch.Tensor:
 
 
 def train_transformer(transformer, forward, embeds, pooled, vae, steps: int, batch: int,
-                      lr: float, log, name: str, pool: int = 8192):
+                      lr: float, log, name: str, pool: int = 8192, text_encoder=None):
     """Rectified flow on freshly rendered training images. `embeds`/`pooled`: one row per
     training prompt and a last row for the empty prompt (dropped in 10% of the time).
-    `forward(transformer, x, sigma, embeds, pooled)` -> v.
+    `forward(transformer, x, sigma, embeds, pooled)` -> v. With `text_encoder`, `embeds` are
+    its token ids, `forward` encodes them, and the encoder trains too (FLUX's T5: see build).
 
     The pooled-text path (time_text_embed.text_embedder) is zeroed and frozen: with
     tests/tiny.py's random encoders the pooled vector is a per-sentence hash the model
@@ -179,6 +182,8 @@ def train_transformer(transformer, forward, embeds, pooled, vae, steps: int, bat
                                          range(k, min(k + 256, pool))))
         for k in range(0, pool, 256)])
     params = [p for p in transformer.parameters() if p.requires_grad]
+    if text_encoder is not None:
+        params += list(text_encoder.requires_grad_(True).train().parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
     rng, gen = np.random.default_rng(1), torch.Generator().manual_seed(1)
@@ -201,6 +206,8 @@ def train_transformer(transformer, forward, embeds, pooled, vae, steps: int, bat
         sched.step()
         if step % 200 == 0 or step == steps - 1:
             log(f"{name} step {step} loss {loss.item():.4f}")
+    if text_encoder is not None:
+        text_encoder.eval().requires_grad_(False)
     return transformer.eval().requires_grad_(False)
 
 
@@ -253,7 +260,7 @@ def tokenizers(pad_token="<|endoftext|>"):
 
 
 def build(out_dir: str, vae_steps: int = 900, transformer_steps: int = 4000,
-          flux_steps: int = 4000, batch: int = 64, lr: float = 2e-3, pool: int = 8192,
+          flux_steps: int = 8000, batch: int = 64, lr: float = 2e-3, pool: int = 8192,
           log=print):
     """Train the VAE, then SD3 and FLUX transformers; save OUT_DIR/toy-sd3 and
     OUT_DIR/toy-flux. Returns their paths."""
@@ -302,7 +309,7 @@ def build(out_dir: str, vae_steps: int = 900, transformer_steps: int = 4000,
     sd3_path = os.path.join(out_dir, "toy-sd3")
     pipe.save_pretrained(sd3_path)
 
-    # ---- FLUX: CLIP-L + T5 of tests/tiny.py, no guidance embedding ----
+    # ---- FLUX: CLIP-L + T5 of tests/tiny.py (T5 trained below), no guidance embedding ----
     # (a plain conditional model, like FLUX.1-schnell)
     tok, tok2 = tokenizers(), tiny.t5_tokenizer()
     torch.manual_seed(0)
@@ -315,19 +322,28 @@ def build(out_dir: str, vae_steps: int = 900, transformer_steps: int = 4000,
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=SHIFT, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
         base_image_seq_len=256, max_image_seq_len=4096)
+    t5 = tiny.t5_encoder(len(tok2))
     pipe = FluxPipeline(transformer=transformer, vae=vae, scheduler=scheduler, text_encoder=te,
-                        tokenizer=tok, text_encoder_2=tiny.t5_encoder(len(tok2)),
-                        tokenizer_2=tok2)
+                        tokenizer=tok, text_encoder_2=t5, tokenizer_2=tok2)
     with torch.no_grad():
-        embeds, pooled, text_ids = pipe.encode_prompt(train + [""] + test, None,
-                                                      max_sequence_length=MAX_SEQUENCE_LENGTH)
+        _, pooled, text_ids = pipe.encode_prompt(train + [""], None,
+                                                 max_sequence_length=MAX_SEQUENCE_LENGTH)
     half = RESOLUTION // 4 // 2
     rows, cols = torch.meshgrid(torch.arange(half), torch.arange(half), indexing="ij")
     img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
     t1 = time.time()
     forward = flux_forward_fn(img_ids, text_ids)
-    train_transformer(transformer, forward, embeds, pooled, vae, flux_steps, batch, lr, log,
-                      "flux", pool)
+    # T5 is FLUX's only per-token text route, and a random one passes color too faintly for
+    # RL to move it (benchmarks/DANCE_DIAGNOSIS.md section 9): it trains with the transformer,
+    # as FLUX's T5 is a trained encoder. (SD3 also reads CLIP's tokens; its encoders stay.)
+    token_ids = tok2(train + [""], padding="max_length", max_length=MAX_SEQUENCE_LENGTH,
+                     truncation=True, return_tensors="pt").input_ids
+    train_transformer(
+        transformer, lambda tr, x, sigma, ids, pooled: forward(tr, x, sigma, t5(ids)[0], pooled),
+        token_ids, pooled, vae, flux_steps, batch, lr, log, "flux", pool, text_encoder=t5)
+    with torch.no_grad():
+        embeds, pooled, _ = pipe.encode_prompt(train + [""] + test, None,
+                                               max_sequence_length=MAX_SEQUENCE_LENGTH)
     acc = accuracy(transformer, forward, embeds[n:], pooled[n:],
                    (embeds[n - 1], pooled[n - 1]), vae, test, guidance=1.0)
     log(f"flux: held-out accuracy (10 Euler steps, no CFG) {acc:.3f}")
