@@ -27,8 +27,8 @@ Both pipelines use tests/tiny.py's text encoders and tokenizers (random; CLIP to
 at 24 tokens: prompts are short; FLUX's T5 then trained), share one VAE trained as an
 autoencoder (4 latent channels, 4x down), and each has a ~0.5M-parameter transformer trained
 with rectified flow (x_s = (1-s) x0 + s eps, target eps - x0, s drawn on the shift-3 schedule
-the scripts sample with, 10% empty prompts so CFG works). Pass `--max-sequence-length 24` (the length the
-transformers were trained with) and `--resolution 32` to the scripts.
+the scripts sample with, 10% empty prompts so CFG works). Pass `--max-sequence-length 24`
+(the length the transformers were trained with) and `--resolution 32` to the scripts.
 """
 
 import os
