@@ -84,8 +84,8 @@ VARIANTS = {
         "--batch-size", "16", "--num-train-timesteps", "5", "--learning-rate", "3e-3",
         "--kl-beta", "0.1"]),
     "dance": ("dance_grpo_flux.py", [  # the README demo: more exploration than the paper's 0.3
-        "--batch-size", "16", "--updates-per-epoch", "1", "--learning-rate", "1e-3",
-        "--noise-level", "0.7"]),
+        "--batch-size", "16", "--learning-rate", "1e-3", "--noise-level", "0.7",
+        "--ema-decay", "0.9"]),
 }
 
 
