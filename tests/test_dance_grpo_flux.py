@@ -241,8 +241,8 @@ def test_two_process_torchrun(tiny_flux, tmp_path):
         assert m["losses/on_policy_ratio_dev"] < 1e-3
 
 
-# README's DanceGRPO demo (η 0.7, EMA 0.9, 64 epochs), run in the background from the session's start
-# (scripts_harness.LEARNING_RUNS)
+# README's DanceGRPO demo (η 0.7, EMA 0.9, 64 epochs), run in the background from the session's
+# start (scripts_harness.LEARNING_RUNS)
 LEARNING_FLAGS = ["--batch-size", "16", "--learning-rate", "1e-3", "--noise-level", "0.7",
                   "--ema-decay", "0.9", "--epochs", "64"]
 
