@@ -357,7 +357,7 @@ def rollout(transformer, noise, sigmas, kind, noise_level, embeds, pooled, neg_e
             latents.append(x)
         step_kind = kind if start <= i < end else "ode"
         x, log_prob, mean, _ = sde_step(v, x, sigmas[i], sigmas[i + 1], step_kind, noise_level,
-                                        generator=generator, sigma_max=sigmas[1])
+                                        generator=generator, second_sigma=sigmas[1])
         if start <= i < end:
             latents.append(x)
             log_probs.append(log_prob)

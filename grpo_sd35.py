@@ -327,7 +327,7 @@ def rollout(transformer, noise, sigmas, kind, noise_level, embeds, pooled, neg_e
             latents.append(x)
         step_kind = kind if start <= i < end else "ode"
         x, log_prob, mean, _ = sde_step(v, x, sigmas[i], sigmas[i + 1], step_kind, noise_level,
-                                        generator=generator, sigma_max=sigmas[1])
+                                        generator=generator, second_sigma=sigmas[1])
         if start <= i < end:
             latents.append(x)
             log_probs.append(log_prob)
@@ -689,7 +689,7 @@ if __name__ == "__main__":
                     v = predict_velocity(transformer, x, sigma, *batch["cond"], args.guidance_scale)
                 _, log_prob, mean, std = sde_step(v, x, sigma, sigma_next, args.sde_kind,
                                                   args.noise_level, prev_sample=x_next,
-                                                  sigma_max=sigmas[1])
+                                                  second_sigma=sigmas[1])
                 old_log_prob = batch["log_probs"][:, j]
                 log_ratio, step_divisor = log_prob - old_log_prob, 1
                 if args.trust_region == "ratio-norm":
@@ -703,7 +703,7 @@ if __name__ == "__main__":
                                                  args.guidance_scale)
                     _, _, ref_mean, _ = sde_step(ref_v, x, sigma, sigma_next, args.sde_kind,
                                                  args.noise_level, prev_sample=x_next,
-                                                 sigma_max=sigmas[1])
+                                                 second_sigma=sigmas[1])
                     sigma_t = std.flatten()  # CPS: its step's std
                     if args.sde_kind == "flow":  # Flow-GRPO's, without sqrt(-dt)
                         sigma_t = flow_sigma_t(sigma, args.noise_level, sigmas[1])

@@ -55,13 +55,13 @@ def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 
 def flow_sigma_t(sigma: float | torch.Tensor, noise_level: float,
-                 sigma_max: float | torch.Tensor | None = None) -> torch.Tensor:
+                 second_sigma: float | torch.Tensor | None = None) -> torch.Tensor:
     """Flow-GRPO's diffusion coefficient sigma_t = a * sqrt(sigma / (1 - sigma)).
 
     arXiv:2505.05470 Eq. 9, with a = noise_level. At sigma == 1 the
     denominator would vanish, so there (and only there) it uses
-    1 - sigma_max instead; upstream passes the schedule's SECOND sigma
-    (`sigmas[1]`), not the maximum.
+    1 - second_sigma instead: upstream passes the schedule's second sigma
+    (`sigmas[1]`), under the misleading name sigma_max.
 
     Returned without the sqrt(-dt) factor, like upstream's `std_dev_t`:
     the Flow-GRPO KL divides by 2 * sigma_t**2 of exactly this value.
@@ -71,11 +71,11 @@ def flow_sigma_t(sigma: float | torch.Tensor, noise_level: float,
     at_pure_noise = sigma >= 1
     denominator_sigma = sigma
     if bool(at_pure_noise.any()):
-        if sigma_max is None:
-            raise ValueError("kind='flow' at sigma == 1 needs sigma_max "
+        if second_sigma is None:
+            raise ValueError("kind='flow' at sigma == 1 needs second_sigma "
                              "(upstream passes the schedule's second sigma)")
-        sigma_max = torch.as_tensor(sigma_max, dtype=torch.float32, device=sigma.device)
-        denominator_sigma = torch.where(at_pure_noise, sigma_max, sigma)
+        second_sigma = torch.as_tensor(second_sigma, dtype=torch.float32, device=sigma.device)
+        denominator_sigma = torch.where(at_pure_noise, second_sigma, sigma)
     return noise_level * torch.sqrt(sigma / (1 - denominator_sigma))
 
 def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
@@ -90,7 +90,7 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) ->
 def sde_step(v: torch.Tensor, x: torch.Tensor, sigma: float | torch.Tensor,
              sigma_next: float | torch.Tensor, kind: StepKind, noise_level: float,
              prev_sample: torch.Tensor | None = None, generator: torch.Generator | None = None,
-             sigma_max: float | torch.Tensor | None = None):
+             second_sigma: float | torch.Tensor | None = None):
     """One reverse step from sigma to sigma_next.
 
     Returns (prev_sample, log_prob, mean, std), all float32.
@@ -133,9 +133,9 @@ def sde_step(v: torch.Tensor, x: torch.Tensor, sigma: float | torch.Tensor,
     dt = sigma_next - sigma
 
     if kind == "flow":
-        if sigma_max is not None:
-            sigma_max = _per_sample(sigma_max, x)
-        sigma_t = flow_sigma_t(sigma, noise_level, sigma_max)
+        if second_sigma is not None:
+            second_sigma = _per_sample(second_sigma, x)
+        sigma_t = flow_sigma_t(sigma, noise_level, second_sigma)
         eps_hat = x + (1 - sigma) * v
         drift = v + sigma_t**2 / (2 * sigma) * eps_hat
         mean = x + drift * dt

@@ -338,7 +338,7 @@ def make_steps(args, S):
         with autocast:
             v = predict_velocity(tr, latents[:, 0], sigmas[0], S.embeds, S.pooled, *S.neg, g)
         _, lp, mean, _ = sde_step(v, latents[:, 0], sigmas[0], sigmas[1], "flow", 0.7,
-                                  prev_sample=latents[:, 1], sigma_max=sigmas[1])
+                                  prev_sample=latents[:, 1], second_sigma=sigmas[1])
         with torch.no_grad(), adapters_disabled(tr), autocast:
             v_ref = predict_velocity(tr, latents[:, 0], sigmas[0], S.embeds, S.pooled, *S.neg, g)
         loss = -torch.exp(lp - S.old_lp[:, 0]).mean() + ((v - v_ref) ** 2).mean()

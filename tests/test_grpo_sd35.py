@@ -161,7 +161,7 @@ def test_window_rollout_is_sde_inside_the_window_and_ode_outside(kind, window):
         t = window[0] + j
         v = predict_velocity(model, latents[:, j], sigmas[t], *cond, 1.0)
         _, log_prob, mean, std = sde_step(v, latents[:, j], sigmas[t], sigmas[t + 1], kind, 0.8,
-                                          prev_sample=latents[:, j + 1], sigma_max=sigmas[1])
+                                          prev_sample=latents[:, j + 1], second_sigma=sigmas[1])
         assert torch.equal(log_prob, log_probs[:, j]) and torch.equal(mean, means[:, j])
         assert (std > 0).all()
         if kind == "cps":  # CPS: its constant-free log-prob and std sigma_next sin(a pi / 2)
@@ -179,7 +179,7 @@ def test_rollout_without_a_window_is_the_sde_step_by_step():
     for i in range(4):
         v = predict_velocity(model, x, sigmas[i], *cond, 4.5)
         x, log_prob, mean, _ = sde_step(v, x, sigmas[i], sigmas[i + 1], "flow", 0.7,
-                                        generator=gen, sigma_max=sigmas[1])
+                                        generator=gen, second_sigma=sigmas[1])
         assert torch.equal(latents[:, i + 1], x) and torch.equal(log_probs[:, i], log_prob)
         assert torch.equal(means[:, i], mean)
     assert torch.equal(latents[:, 0], noise) and torch.equal(final, x) and latents.shape[1] == 5

@@ -31,7 +31,7 @@ def random_latents(seed: int, count: int = 2) -> list[torch.Tensor]:
     return [torch.randn(SHAPE, generator=generator) for _ in range(count)]
 
 
-# (kind, sigma, sigma_next, noise_level, sigma_max, expected mean, expected std)
+# (kind, sigma, sigma_next, noise_level, second_sigma, expected mean, expected std)
 HAND_CASES = [
     # flow, middle step: sigma_t = 0.7 * sqrt(0.5 / 0.5) = 0.7;
     # mean = 1 - 0.049 + 2 * 1.245 * (-0.1) = 0.702
@@ -58,14 +58,14 @@ HAND_CASES = [
 
 
 @pytest.mark.parametrize(
-    "kind,sigma,sigma_next,noise_level,sigma_max,want_mean,want_std", HAND_CASES
+    "kind,sigma,sigma_next,noise_level,second_sigma,want_mean,want_std", HAND_CASES
 )
 def test_hand_computed_mean_std_and_log_prob(
-    kind, sigma, sigma_next, noise_level, sigma_max, want_mean, want_std
+    kind, sigma, sigma_next, noise_level, second_sigma, want_mean, want_std
 ):
     x, v, given = constant(1.0), constant(2.0), constant(0.5)
     sample, log_prob, mean, std = sde_step(
-        v, x, sigma, sigma_next, kind, noise_level, prev_sample=given, sigma_max=sigma_max
+        v, x, sigma, sigma_next, kind, noise_level, prev_sample=given, second_sigma=second_sigma
     )
     assert torch.allclose(mean, torch.full(SHAPE, want_mean), atol=1e-6)
     assert torch.allclose(std.expand(SHAPE), torch.full(SHAPE, want_std), atol=1e-6)
@@ -82,16 +82,16 @@ def test_hand_computed_mean_std_and_log_prob(
     assert torch.allclose(log_prob, want, rtol=1e-5, atol=1e-6)
 
 
-def test_flow_sigma_t_uses_sigma_max_only_at_noise_end():
-    got = flow_sigma_t(torch.tensor([1.0, 0.5]), 0.7, sigma_max=0.96)
+def test_flow_sigma_t_uses_second_sigma_only_at_noise_end():
+    got = flow_sigma_t(torch.tensor([1.0, 0.5]), 0.7, second_sigma=0.96)
     assert torch.allclose(got, torch.tensor([3.5, 0.7]))
-    with pytest.raises(ValueError, match="sigma_max"):
+    with pytest.raises(ValueError, match="second_sigma"):
         flow_sigma_t(1.0, 0.7)
 
 
 def test_sd3_schedule_matches_reference_table():
     """SD3.5 scheduler (shift 3, 10 steps): noise std 0.700 at step 0
-    (via sigma_max = sigmas[1]) and 0.0063 at the last step."""
+    (via second_sigma = sigmas[1]) and 0.0063 at the last step."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
@@ -100,7 +100,7 @@ def test_sd3_schedule_matches_reference_table():
     x = torch.zeros(1, 4)
     stds = []
     for i in range(10):
-        step = sde_step(x, x, sigmas[i], sigmas[i + 1], "flow", 0.7, sigma_max=sigmas[1])
+        step = sde_step(x, x, sigmas[i], sigmas[i + 1], "flow", 0.7, second_sigma=sigmas[1])
         stds.append(step[3].item())
     assert stds[0] == pytest.approx(0.700, abs=1e-3)
     assert stds[1] == pytest.approx(0.743, abs=1e-3)
@@ -175,13 +175,13 @@ def test_per_sample_sigmas_match_scalar_calls():
     x, v, given = random_latents(seed=7, count=3)
     sigmas, sigmas_next = torch.tensor([1.0, 0.5]), torch.tensor([0.9, 0.3])
     _, log_prob, mean, _ = sde_step(
-        v, x, sigmas, sigmas_next, "flow", 0.7, prev_sample=given, sigma_max=0.9
+        v, x, sigmas, sigmas_next, "flow", 0.7, prev_sample=given, second_sigma=0.9
     )
     for i in range(2):
         row = slice(i, i + 1)
         _, row_log_prob, row_mean, _ = sde_step(
             v[row], x[row], sigmas[i].item(), sigmas_next[i].item(), "flow", 0.7,
-            prev_sample=given[row], sigma_max=0.9,
+            prev_sample=given[row], second_sigma=0.9,
         )
         assert torch.allclose(mean[i], row_mean[0])
         assert torch.allclose(log_prob[i], row_log_prob[0])
