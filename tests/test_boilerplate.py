@@ -1,7 +1,9 @@
 """The SD3.5 scripts share their boilerplate verbatim (copy, don't abstract), so that
-`diff grpo_sd35.py nft_sd35.py` shows only the algorithm. grpo_sd35.py is the template."""
+`diff grpo_sd35.py nft_sd35.py` shows only the algorithm. grpo_sd35.py is the template; the
+budgets that keep every script readable in one sitting."""
 
 import ast
+import re
 import subprocess
 from pathlib import Path
 
@@ -10,9 +12,18 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATE = "grpo_sd35.py"
 SD35_SCRIPTS = ["grpo_sd35.py", "nft_sd35.py", "awm_sd35.py", "crd_sd35.py"]
-SHARED = ["fail", "check_args", "load_prompts", "all_gather_cat", "seeded_generator", "encode",
-          "predict_velocity", "rollout", "decode", "optimizer_step", "save_checkpoint", "swapped",
-          "adapters_disabled", "prepare_run_dir", "rank_mean", "clock", "check_finite"]
+SCRIPTS = SD35_SCRIPTS + ["dance_grpo_flux.py"]
+SHARED = ["Text", "fail", "check_ranges", "check_args", "load_prompts", "all_gather_cat",
+          "seeded_generator", "encode", "predict_velocity", "ode_sample", "decode",
+          "optimizer_step", "save_checkpoint", "swapped", "adapters_disabled", "prepare_run_dir",
+          "rank_mean", "clock", "check_finite"]
+# Functions and classes that dance_grpo_flux.py defines for FLUX in its own way; every other
+# top-level name two scripts share is one verbatim copy.
+FLUX_OWN = {"Args", "ALGO_LIMITS", "check_args", "encode", "predict_velocity", "decode",
+            "save_checkpoint", "optimizer_step", "rollout", "grpo_loss", "Rollout",
+            "LORA_TARGETS", "STATE_FLAGS", "LIMITS"}
+# ALGO LOGIC names that differ between SD3.5 scripts by design
+ALGO_OWN = {"Args", "ALGO_LIMITS", "rollout", "Rollout"}
 SHARED_TAG, ALGO_TAG = "# TRY NOT TO MODIFY:", "# ALGO LOGIC:"
 ALGO_ARGS = "    # Algorithm-specific arguments"
 
@@ -33,9 +44,15 @@ def read_tagged(script: str) -> str:
 
 
 def functions(text: str) -> dict[str, str]:
+    """Every top-level function, class and constant: {name: its source}."""
     tree = ast.parse(text)
-    return {node.name: ast.get_source_segment(text, node) for node in tree.body
-            if isinstance(node, ast.FunctionDef)}
+    named = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            named[node.name] = ast.get_source_segment(text, node)
+        elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            named[node.targets[0].id] = ast.get_source_segment(text, node)
+    return named
 
 
 def shared_segments(text: str) -> list[str]:
@@ -81,18 +98,62 @@ def test_generic_args_are_verbatim_copies_of_the_template(script):
     assert other == generic_args(read(TEMPLATE)), f"{script}: generic Args differ"
 
 
+@pytest.mark.parametrize("first,second", [(a, b) for i, a in enumerate(SCRIPTS)
+                                          for b in SCRIPTS[i + 1:]])
+def test_a_name_two_scripts_define_is_one_copy(first, second):
+    """The copies the segments do not cover: a helper or constant of the same name in two
+    scripts (an ALGO LOGIC sampler, dance's model-independent helpers) is the same code."""
+    own = FLUX_OWN if "dance_grpo_flux.py" in (first, second) else ALGO_OWN
+    one, other = functions(read(first)), functions(read(second))
+    for name in sorted(set(one) & set(other) - own):
+        assert one[name] == other[name], f"{name} differs between {first} and {second}"
+
+
 def test_the_template_tags_its_segments():
     segments = shared_segments(read(TEMPLATE))
     assert len(segments) >= 6 and ALGO_ARGS in read(TEMPLATE)
-    assert all(f"\ndef {name}(" in segments[0] for name in SHARED)  # one block of helpers
+    helpers = segments[1]  # one block of helpers, after the constants
+    assert all(f"\ndef {name}(" in helpers or f"class {name}(" in helpers for name in SHARED)
 
 
-@pytest.mark.parametrize("script", SD35_SCRIPTS + ["dance_grpo_flux.py"])
-def test_script_fits_800_lines(script):
-    assert len(read(script).splitlines()) <= 800
+def algo_segments(text: str) -> list[str]:
+    """Each `# ALGO LOGIC:` segment, up to the next tag of either kind."""
+    flipped = text.replace(SHARED_TAG, "# SWAP:").replace(ALGO_TAG, SHARED_TAG)
+    return [segment.replace(SHARED_TAG, ALGO_TAG, 1)
+            for segment in shared_segments(flipped.replace("# SWAP:", ALGO_TAG))]
 
 
-@pytest.mark.parametrize("script", SD35_SCRIPTS + ["dance_grpo_flux.py"])
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_contract_names_what_algo_logic_sets_and_plumbing_reads(script):
+    """The names listed at the top of the file are set in an ALGO LOGIC segment and read in a
+    shared one: a researcher who rewrites a segment knows what to keep."""
+    text = read(script)
+    head = text.split("that ALGO LOGIC sets:\n", 1)[1].split("\n\n", 1)[0]
+    names = [line.split()[1] for line in head.splitlines()]
+    assert len(names) >= 4, head
+    algo, shared = "\n".join(algo_segments(text)), "\n".join(shared_segments(text))
+    for name in names:
+        assert re.search(rf"\b{name}\b.*=|\bfor .*\b{name}\b", algo), f"{name} is not set"
+        assert re.search(rf"\b{name}\b", shared), f"{name} is not read by the plumbing"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_script_fits_its_budget(script):
+    """<= 900 lines after the readability pass (1000 with the features filed after it), a
+    mean <= 55 characters per non-blank line: clarity, not packing."""
+    lines = read(script).splitlines()
+    filled = [line for line in lines if line.strip()]
+    assert len(lines) <= 900, f"{script}: {len(lines)} lines"
+    mean = sum(map(len, filled)) / len(filled)
+    assert mean <= 55, f"{script}: {mean:.2f} characters per non-blank line"
+
+
+@pytest.mark.parametrize("module,cap", [("sde.py", 280), ("rewards.py", 600)])
+def test_shared_modules_fit_their_budget(module, cap):
+    assert len(read(module).splitlines()) <= cap
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_script_fits_100_columns(script):
     lines = read_tagged(script).splitlines()
     wide = [number for number, line in enumerate(lines, 1) if len(line) > 100]

@@ -33,7 +33,8 @@ def velocity(module, transformer, flux: bool) -> torch.Tensor:
             return module.predict_velocity(transformer, latents, 0.6, embeds, pooled,
                                            torch.zeros(5, 3), module.image_ids(4, 4, "cpu"), 3.5)
         latents = torch.randn(2, config.in_channels, 8, 8, generator=generator)
-        return module.predict_velocity(transformer, latents, 0.6, embeds, pooled, None, None, 1.0)
+        text = module.Text(embeds, pooled)
+        return module.predict_velocity(transformer, latents, 0.6, text, None, 1.0)
 
 
 GRPO_LORA = LORA + ["--ema-interval", "0", "--epochs", "2"]
@@ -93,7 +94,7 @@ BAD = [
     (["--epochs", "0"], "--epochs must be >= 1"),
     (["--resolution", "34"], "--resolution 34 is not a positive multiple of 4"),
     # issue 27: every value is checked, in one line, before the model loads
-    (["--resolution", "0"], "--resolution 0 is not a positive multiple of 4"),
+    (["--resolution", "0"], "--resolution must be >= 1"),
     (["--max-sequence-length", "0"], "--max-sequence-length must be >= 1"),
     (["--eval-sheet-size", "0"], "--eval-sheet-size must be >= 1"),
     (["--max-grad-norm", "0"], "--max-grad-norm must be > 0"),
@@ -217,7 +218,7 @@ def test_resume_refuses_what_it_cannot_continue(tiny_sd3, tmp_path, grpo_lora_ru
     hidden.mkdir()
     (hidden / "state.pt").write_bytes((checkpoint / "state.pt").read_bytes())
     assert_bad_input("grpo_sd35.py", base + LORA + ["--epochs", "3", "--resume", str(hidden)],
-                     "unfinished saves")
+                     "unfinished save")
     # a resumed run continues its checkpoint's run dir, cleans the crashed save, prints its
     # final eval
     flags = tiny_sd35_flags(tiny_sd3, tmp_path / "a") + GRPO_LORA + ["--resume", str(checkpoint)]

@@ -1,13 +1,13 @@
 """grpo_sd35.py: hand-computed advantage and loss units, then end-to-end runs on tiny SD3."""
 
 import math
-from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
-from grpo_sd35 import grpo_loss, predict_velocity, rollout
+from grpo_sd35 import Text, grpo_loss, predict_velocity, rollout
 from sde import compute_advantages, group_advantages, ratio_norm_log_ratio, sde_window
 from scripts_harness import (TOY_REWARD, assert_accuracy_rose, assert_bad_input, assert_common_run,
                              assert_eval_only_reproduces, cut_back_copy, learning_run,
@@ -54,10 +54,20 @@ def test_gdpo_normalises_each_reward_within_its_group():
     assert torch.allclose(adv_sum, centered / summed.std(unbiased=False), atol=1e-3)
 
 
+def loss_of(log_prob, advantages, **overrides):
+    """grpo_loss on a step scored log_prob now and 0 at the rollout: PPO's clip 1e-4, no KL,
+    no accumulation, unless overridden."""
+    terms = dict(log_prob=log_prob, old_log_prob=torch.zeros_like(log_prob),
+                 advantages=advantages, mean=None, old_mean=None, std=None, ref_mean=None,
+                 kl_sigma=None, abs_dt=1.0, trust_region="clip", clip_range=1e-4,
+                 dppo_threshold=1e-5, adv_clip=5.0, kl_beta=0.04, accum_steps=1)
+    return grpo_loss(**(terms | overrides))
+
+
 def policy_loss(log_ratio, advantages, clip_range):
-    """grpo_loss's policy term alone: no KL, no RatioNorm, no accumulation."""
-    _, loss, _, ratio = grpo_loss(log_ratio, advantages, None, None, None, 1, 1, clip_range,
-                                  adv_clip=5.0, kl_beta=0.04)
+    """grpo_loss's policy term alone (its loss to backward: no KL, no accumulation)."""
+    loss, ratio, stats = loss_of(log_ratio, advantages, clip_range=clip_range)
+    assert loss.item() == pytest.approx(stats["policy_loss"])
     return loss, ratio
 
 
@@ -80,15 +90,16 @@ def test_grpo_loss_scale_kl_divisor_and_accumulation_by_hand():
     # one sample, two elements: mean 0, base-model mean (0.1, -0.2), sigma_t 0.5:
     # KL = mean(0.01, 0.04) / (2 x 0.25) = 0.05
     mean, ref_mean = torch.zeros(1, 1, 1, 2), torch.tensor([[[[0.1, -0.2]]]])
-    advantages, log_ratio = torch.tensor([-1.0]), torch.zeros(1)  # policy term 1 at ratio 1
-    loss, policy, kl, _ = grpo_loss(log_ratio, advantages, mean, ref_mean, torch.tensor([0.5]),
-                                    step_divisor=0.25, accum_steps=4, clip_range=1e-4,
-                                    adv_clip=5.0, kl_beta=2.0)
-    assert kl.item() == pytest.approx(0.05)
-    assert policy.item() == pytest.approx(1 / 0.25)  # RatioNorm's / |dt|
+    advantages, log_prob = torch.tensor([-1.0]), torch.zeros(1)  # policy term 1 at ratio 1
+    std = torch.full((1, 1, 1, 1), 0.5)
+    loss, _, stats = loss_of(log_prob, advantages, mean=mean, old_mean=mean, std=std,
+                             ref_mean=ref_mean, kl_sigma=torch.tensor([0.5]), abs_dt=0.25,
+                             trust_region="ratio-norm", accum_steps=4, kl_beta=2.0)
+    assert stats["kl"] == pytest.approx(0.05)
+    assert stats["policy_loss"] == pytest.approx(1 / 0.25)  # RatioNorm's / |dt|
     assert loss.item() == pytest.approx((4.0 + 2.0 * 0.05) / 4)  # (policy + beta KL) / accum
-    _, _, kl, _ = grpo_loss(log_ratio, advantages, mean, None, None, 1, 1, 1e-4, 5.0, 2.0)
-    assert kl.item() == 0.0  # no base-model mean: no KL
+    _, _, stats = loss_of(log_prob, advantages, abs_dt=0.25, kl_beta=2.0)
+    assert stats["kl"] == 0.0 and stats["policy_loss"] == 1.0  # no base model, no RatioNorm
 
 
 def test_grpo_loss_gradient_on_policy_is_minus_advantage():
@@ -113,10 +124,17 @@ class FakeVelocity(torch.nn.Module):
         return (hidden_states / 2 + shift,)
 
 
-def fake_cond(batch: int):
+def fake_cond(batch: int) -> tuple[Text, Text]:
+    """Prompts (B, 5, 8) with distinct pooled embeddings, and CFG's negative."""
     gen = torch.Generator().manual_seed(1)
-    return (torch.zeros(batch, 5, 8), torch.randn(batch, 4, generator=gen), torch.zeros(1, 5, 8),
-            torch.zeros(1, 4))
+    text = Text(torch.zeros(batch, 5, 8), torch.randn(batch, 4, generator=gen))
+    return text, Text(torch.zeros(1, 5, 8), torch.zeros(1, 4))
+
+
+def velocity_of(model, cond, guidance_scale):
+    text, negative = cond
+    return partial(predict_velocity, model, text=text, negative=negative,
+                   guidance_scale=guidance_scale)
 
 
 def test_sde_window_start_is_drawn_from_a_to_b_minus_k_inclusive():
@@ -138,15 +156,18 @@ def test_sde_window_start_is_drawn_from_a_to_b_minus_k_inclusive():
 def test_window_rollout_is_sde_inside_the_window_and_ode_outside(kind, window):
     sigmas, cond, model = torch.linspace(1, 0, 7), fake_cond(2), FakeVelocity()  # T = 6 steps
     noise = torch.randn(2, 4, 3, 3, generator=torch.Generator().manual_seed(0))
-    runs = [rollout(model, noise, sigmas, kind, 0.8, *cond, 1.0, nullcontext(),
-                    torch.Generator().manual_seed(seed), window) for seed in (0, 1)]
-    (latents, log_probs, means, final), (latents_b, _, _, final_b) = runs
+    velocity = velocity_of(model, cond, 1.0)
+    runs = [rollout(velocity, noise, sigmas, window, kind, 0.8,
+                    torch.Generator().manual_seed(seed)) for seed in (0, 1)]
+    latents, log_probs, means, final = runs[0][1:]
+    latents_b = runs[1].latents
+    assert runs[0].start == window[0]
     assert latents.shape == (2, 3, 4, 3, 3) and log_probs.shape == (2, 2)
     assert means.shape == (2, 2, 4, 3, 3)
 
     def euler(x, steps):
         for i in steps:
-            x = x + predict_velocity(model, x, sigmas[i], *cond, 1.0) * (sigmas[i + 1] - sigmas[i])
+            x = x + velocity(x, sigmas[i]) * (sigmas[i + 1] - sigmas[i])
         return x
 
     # ODE before the window: its first latent is plain Euler from the noise, for any generator
@@ -159,7 +180,7 @@ def test_window_rollout_is_sde_inside_the_window_and_ode_outside(kind, window):
     # training re-scores every stored window step exactly as sampled (on-policy ratio exactly 1)
     for j in range(2):
         t = window[0] + j
-        v = predict_velocity(model, latents[:, j], sigmas[t], *cond, 1.0)
+        v = velocity(latents[:, j], sigmas[t])
         _, log_prob, mean, std = sde_step(v, latents[:, j], sigmas[t], sigmas[t + 1], kind, 0.8,
                                           prev_sample=latents[:, j + 1], second_sigma=sigmas[1])
         assert torch.equal(log_prob, log_probs[:, j]) and torch.equal(mean, means[:, j])
@@ -173,11 +194,12 @@ def test_window_rollout_is_sde_inside_the_window_and_ode_outside(kind, window):
 def test_rollout_without_a_window_is_the_sde_step_by_step():
     sigmas, cond, model = torch.linspace(1, 0, 5), fake_cond(3), FakeVelocity()
     noise = torch.randn(3, 4, 3, 3, generator=torch.Generator().manual_seed(0))
-    latents, log_probs, means, final = rollout(model, noise, sigmas, "flow", 0.7, *cond, 4.5,
-                                               nullcontext(), torch.Generator().manual_seed(3))
+    velocity = velocity_of(model, cond, 4.5)
+    _, latents, log_probs, means, final = rollout(velocity, noise, sigmas, (0, 4), "flow", 0.7,
+                                                  torch.Generator().manual_seed(3))
     gen, x = torch.Generator().manual_seed(3), noise
     for i in range(4):
-        v = predict_velocity(model, x, sigmas[i], *cond, 4.5)
+        v = velocity(x, sigmas[i])
         x, log_prob, mean, _ = sde_step(v, x, sigmas[i], sigmas[i + 1], "flow", 0.7,
                                         generator=gen, second_sigma=sigmas[1])
         assert torch.equal(latents[:, i + 1], x) and torch.equal(log_probs[:, i], log_prob)
@@ -193,7 +215,7 @@ def test_guidance_one_runs_no_unconditional_forward():
     # CFG doubles the batch ([uncond; cond]); guidance 1 runs the cond half only
     assert model.batch_sizes == [3, 6]
     model.batch_sizes.clear()
-    rollout(model, x, torch.linspace(1, 0, 5), "cps", 0.8, *cond, 1.0, nullcontext(), None, (1, 3))
+    rollout(velocity_of(model, cond, 1.0), x, torch.linspace(1, 0, 5), (1, 3), "cps", 0.8, None)
     assert model.batch_sizes == [3] * 4
 
 

@@ -1,0 +1,65 @@
+"""Every number flag of every script has a range, checked in its own script before the model
+loads: the range is in the script's LIMITS (the flags every SD3.5 script has) or ALGO_LIMITS
+(its own), and an out-of-range or non-finite value stops with one line naming the flag."""
+
+import dataclasses
+import importlib
+import re
+import types
+import typing
+
+import pytest
+
+SCRIPTS = ["grpo_sd35", "nft_sd35", "awm_sd35", "crd_sd35", "dance_grpo_flux"]
+# A value outside each range
+OUTSIDE = {">= 0": -1, ">= 1": 0, ">= 2": 1, "> 0": 0, "in [0, 1)": 1, "in (0, 1]": 0,
+           "in [0, 1]": 1.5}
+
+
+def number_fields(module) -> dict[str, type]:
+    """{name: int or float} of the Args fields that hold numbers (alone, optional, or in a
+    tuple); bools and Literal choices are tyro's to check."""
+    hints = typing.get_type_hints(module.Args)
+    numbers = {}
+    for field in dataclasses.fields(module.Args):
+        kinds = [hints[field.name]]
+        while kinds and typing.get_origin(kinds[0]) in (typing.Union, types.UnionType, tuple):
+            kinds = [kind for kind in typing.get_args(kinds[0]) if kind not in (type(None), ...)]
+        if kinds and all(kind in (int, float) for kind in kinds):
+            numbers[field.name] = float if float in kinds else int
+    return numbers
+
+
+def with_value(module, name: str, value):
+    """The default Args with one field set to value (in every place of a tuple)."""
+    args = module.Args()
+    current = getattr(args, name)
+    setattr(args, name, tuple([value] * len(current)) if isinstance(current, tuple) else value)
+    return args
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_number_flag_has_a_range(script):
+    module = importlib.import_module(script)
+    limits = module.LIMITS | module.ALGO_LIMITS
+    missing = sorted(set(number_fields(module)) - set(limits))
+    assert not missing, f"{script}: no range for {missing}"
+    unknown = sorted(set(limits) - {field.name for field in dataclasses.fields(module.Args)})
+    assert not unknown, f"{script}: ranges of flags it does not have: {unknown}"
+    assert set(limits.values()) <= set(module.RANGES) <= set(OUTSIDE)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_an_out_of_range_value_stops_with_one_line_naming_the_flag(script):
+    module = importlib.import_module(script)
+    limits = module.LIMITS | module.ALGO_LIMITS
+    module.check_ranges(module.Args())  # the defaults are in range
+    for name, kind in number_fields(module).items():
+        flag = "--" + name.replace("_", "-")
+        value = kind(OUTSIDE[limits[name]])
+        message = re.escape(f"error: {flag} must be {limits[name]}, got")
+        with pytest.raises(SystemExit, match=message):
+            module.check_ranges(with_value(module, name, value))
+        if kind is float:
+            with pytest.raises(SystemExit, match=f"^error: {flag} must be a finite number"):
+                module.check_ranges(with_value(module, name, float("nan")))
