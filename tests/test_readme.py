@@ -38,6 +38,8 @@ def test_readme_has_one_demo_and_each_page_its_own():
     for script, page in PAGES.items():
         assert [argv[0] for argv in demo_commands(page)] == [script], page
     assert demo_commands("README.md") == demo_commands(PAGES[README_DEMO])  # the same line
+    pages = [argv for page in PAGES.values() for argv in demo_commands(page)]
+    assert sorted(demo_commands("docs/toy_world.md")) == sorted(pages)  # all five, alike
 
 
 @pytest.mark.parametrize("page", ["README.md", *PAGES.values()])
