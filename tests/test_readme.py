@@ -1,5 +1,7 @@
-"""README.md's demo block (each script's docstring points to it): every command is accepted
-up to the model load (the learning tests run the same recipes to completion)."""
+"""The docs stay true to the scripts: README's CPU demo and each algorithm page's are accepted
+by their script up to the model load (the learning tests run the same recipes to completion),
+each script's docstring points to its page, and every relative link and image in the Markdown
+resolves."""
 
 import re
 import shlex
@@ -8,37 +10,81 @@ import pytest
 
 from scripts_harness import REPO, ModelLoaded, assert_bad_input
 
-SCRIPTS = ["grpo_sd35.py", "nft_sd35.py", "awm_sd35.py", "crd_sd35.py", "dance_grpo_flux.py"]
+PAGES = {"grpo_sd35.py": "docs/grpo.md", "nft_sd35.py": "docs/nft.md",
+         "awm_sd35.py": "docs/awm.md", "crd_sd35.py": "docs/crd.md",
+         "dance_grpo_flux.py": "docs/dance_grpo.md"}
+README_DEMO = "crd_sd35.py"  # the strongest learner of the five
 
 
-def commands(text: str) -> list[list[str]]:
-    """`python X.py ...` commands in a text, backslash continuations joined, as argv lists."""
-    joined = re.sub(r"\\\n\s*", " ", text)
-    argvs = []
-    for line in joined.splitlines():
-        line = line.strip()
-        if line.startswith("python ") and ".py" in line and not line.startswith("python tests/"):
-            argvs.append(shlex.split(line)[1:])
-    return argvs
+def demo_commands(path: str) -> list[list[str]]:
+    """argv lists of the `python X.py ...` commands in a page's CPU demo: the ```bash block
+    right after a paragraph that says "CPU demo" (backslash continuations joined)."""
+    parts = (REPO / path).read_text().split("```")  # prose, code, prose, code, ...
+    blocks = [parts[i][len("bash"):] for i in range(1, len(parts), 2)
+              if parts[i].startswith("bash\n")
+              and "CPU demo" in parts[i - 1].rstrip().split("\n\n")[-1]]  # its last paragraph
+    assert len(blocks) == 1, f"{path}: {len(blocks)} CPU demo blocks"
+    lines = re.sub(r"\\\n\s*", " ", blocks[0]).splitlines()
+    return [shlex.split(line)[1:] for line in lines if line.strip().startswith("python ")]
 
 
-def readme_demos() -> dict[str, list[str]]:
-    """{script: its flags} of the bash block after "CPU demo" in README.md."""
-    text = (REPO / "README.md").read_text()
-    block = text.split("CPU demo", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
-    return {argv[0]: argv[1:] for argv in commands(block)}
+def markdown_files() -> list[str]:
+    return ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")),
+            *sorted(str(p.relative_to(REPO)) for p in (REPO / "benchmarks").rglob("*.md"))]
 
 
-def test_readme_has_one_demo_per_script():
-    assert sorted(readme_demos()) == sorted(SCRIPTS)
+def test_readme_has_one_demo_and_each_page_its_own():
+    assert [argv[0] for argv in demo_commands("README.md")] == [README_DEMO]
+    for script, page in PAGES.items():
+        assert [argv[0] for argv in demo_commands(page)] == [script], page
+    assert demo_commands("README.md") == demo_commands(PAGES[README_DEMO])  # the same line
+    pages = [argv for page in PAGES.values() for argv in demo_commands(page)]
+    assert sorted(demo_commands("docs/toy_world.md")) == sorted(pages)  # all five, alike
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_readme_demo_is_accepted_and_the_docstring_points_to_it(script, tmp_path):
-    doc = (REPO / script).read_text().split('"""')[1]
-    assert 'CPU demo on the toy world (a few minutes): README.md, "Running a script".' in doc
-    flags = readme_demos()[script]
+@pytest.mark.parametrize("page", ["README.md", *PAGES.values()])
+def test_demo_is_accepted_up_to_the_model(page, tmp_path):
+    ((script, *flags),) = demo_commands(page)
     assert "tests/assets/toy-" in " ".join(flags)  # the toy world, not random weights
     flags = flags + ["--output-dir", str(tmp_path / "out")]  # the last --output-dir wins
     with pytest.raises(ModelLoaded):  # every flag is valid: the script gets as far as loading
         assert_bad_input(script, flags, "never reached")
+
+
+@pytest.mark.parametrize("script", PAGES)
+def test_docstring_points_to_the_page(script):
+    doc = (REPO / script).read_text().split('"""')[1]
+    assert f"Docs: {PAGES[script]} (recipes, metrics, the toy-world demo)." in doc
+
+
+def anchors(path) -> set[str]:
+    """GitHub's heading anchors of a Markdown file: lower case, punctuation dropped, - for space."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+            for heading in re.findall(r"^#+ (.*)$", text, flags=re.M)}
+
+
+def test_relative_links_and_images_resolve():
+    broken = []
+    for name in markdown_files():
+        text = (REPO / name).read_text()
+        text = re.sub(r"```.*?```", "", text, flags=re.S)  # code blocks hold no links
+        targets = re.findall(r"\]\(([^)\s]+)\)", text) + re.findall(r"^\[[^\]]+\]:\s*(\S+)", text,
+                                                                     flags=re.M)
+        for target in targets:
+            if re.match(r"[a-z]+:", target):
+                continue  # a URL
+            file, _, anchor = target.partition("#")
+            path = (REPO / name).parent / file if file else REPO / name
+            if not path.exists() or (anchor and anchor not in anchors(path)):
+                broken.append(f"{name}: {target}")
+    assert not broken, broken
+
+
+def test_markdown_lines_fit_120_columns_and_cite_no_machine_paths():
+    for name in markdown_files():
+        for number, line in enumerate((REPO / name).read_text().splitlines(), 1):
+            assert len(line) <= 120, f"{name}:{number} is {len(line)} columns"
+            assert not line.endswith("]("), f"{name}:{number}: a link split over lines"
+            assert not re.search(r"(?<![\w.])/(work|tmp)/", line), f"{name}:{number}: {line}"
+    assert len((REPO / "README.md").read_text().splitlines()) <= 250
