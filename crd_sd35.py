@@ -145,12 +145,11 @@ class Args:
     """advantages are clipped to +-adv_clip, then mapped to [0, 1] (see crd_loss)"""
     crd_beta: float = 1.0
     """implicit-reward scale in the regression crd_beta (r - r_mean) ~ a - a_mean"""
-    # The snapshots' decay schedules, S v0 k vmax (snapshot_decay), are Table 3's:
-    # the old snapshot (the implicit reward's reference) lags the LoRA by 25% from
-    # the start, then ever more, to an almost frozen 0.999 by step 150; the sampler
-    # is the LoRA itself (on-policy) for 75 steps, then lags, to 0.999 by step 208.
+    # Table 3's decay schedules (snapshot_decay): the old snapshot lags the LoRA
+    # by 25% at first, then more, to 0.999 (almost frozen) by step 150; the
+    # sampler is the LoRA (on-policy) for 75 steps, then lags, to 0.999 by 208.
     old_decay: tuple[int, float, float, float] = (0, 0.25, 0.005, 0.999)
-    """decay schedule S v0 k vmax of the old snapshot, the implicit reward's reference"""
+    """decays S v0 k vmax of the old snapshot, the implicit reward's reference"""
     sampling_decay: tuple[int, float, float, float] = (75, 0.0, 0.0075, 0.999)
     """schedule of the snapshot that rolls out (decay 0: a copy, on-policy)"""
     kl_beta: float = 0.1
