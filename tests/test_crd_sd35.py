@@ -51,10 +51,21 @@ A = torch.tensor([0.9, 0.3, 0.6])  # ADVANTAGES / (2 x adv_clip 5) + 0.5
 ONE_GROUP = torch.zeros(3, dtype=torch.long)
 
 
+def loss_of(r, advantages, group_ids, **overrides):
+    """crd_loss on implicit rewards r, with all N of them on one process (rank 0 of 1):
+    crd_beta 1, adv_clip 5, no KL, no accumulation, unless overridden."""
+    terms = dict(implicit_reward=r, all_implicit_rewards=r.detach(), advantages=advantages,
+                 group_ids=group_ids, rank=0, world=1, v=None, v_teacher=None, crd_beta=1.0,
+                 adv_clip=5.0, kl_beta=0.0, accum_steps=1)
+    return crd_loss(**(terms | overrides))
+
+
 def policy(r, advantages, group_ids, crd_beta=1.0, adv_clip=5.0):
-    """crd_loss's policy loss on one process, without KL and accumulation."""
-    return crd_loss(r, r.detach(), advantages, group_ids, 0, 1, None, None, 1, crd_beta,
-                    adv_clip, 0.0)[1]
+    """crd_loss's policy loss on one process, without KL and accumulation: its loss to
+    backward, which is then the policy loss itself."""
+    loss, stats = loss_of(r, advantages, group_ids, crd_beta=crd_beta, adv_clip=adv_clip)
+    assert loss.item() == stats["policy_loss"] and "kl" not in stats
+    return loss
 
 
 def centered_sq(r, a, p, beta):
@@ -105,17 +116,18 @@ def test_ranks_backpropagate_their_part_and_their_mean_is_the_whole_gradient():
     r, advantages = torch.randn(6), 2 * torch.randn(6)
     ids = torch.tensor([0, 0, 1, 1, 1, 0])  # prompts spread over the two ranks' 3 images
     whole = r.clone().requires_grad_(True)
-    loss, whole_policy, _, _ = crd_loss(whole, r, advantages, ids, 0, 1, None, None, 4, 1.5,
-                                        5.0, 0.0)
-    assert loss.item() == pytest.approx(whole_policy.item() / 4)  # / accum_steps
+    loss, stats = loss_of(whole, advantages, ids, crd_beta=1.5, accum_steps=4)
+    whole_policy = stats["policy_loss"]
+    assert loss.item() == pytest.approx(whole_policy / 4)  # / accum_steps
     loss.backward()
     grads = []
     for rank in range(2):
         mine = r[3 * rank : 3 * rank + 3].clone().requires_grad_(True)
-        loss, rank_policy, _, _ = crd_loss(mine, r, advantages, ids, rank, 2, None, None, 4,
-                                           1.5, 5.0, 0.0)
-        assert rank_policy.item() == pytest.approx(whole_policy.item(), rel=1e-6)
-        assert loss.item() == pytest.approx(2 * rank_policy.item() / 4)  # x world / accum
+        loss, stats = loss_of(mine, advantages, ids, all_implicit_rewards=r, rank=rank,
+                              world=2, crd_beta=1.5, accum_steps=4)
+        assert stats["policy_loss"] == pytest.approx(whole_policy, rel=1e-6)
+        assert loss.item() == pytest.approx(2 * stats["policy_loss"] / 4)  # x world / accum
+        assert stats["r_theta"] == pytest.approx(mine.mean().item())  # this rank's mean
         loss.backward()
         grads.append(mine.grad)
     # optimizer_step averages the ranks' gradients: the gradient of the loss over all 6
@@ -129,16 +141,14 @@ def test_reward_adaptive_kl_by_hand():
     advantages = torch.tensor([5.0, -5.0])  # mapped to a = 1 and a = 0
     r, ids = torch.zeros(2), torch.zeros(2, dtype=torch.long)
 
-    def kl_terms(v_teacher, kl_beta):
-        return crd_loss(r, r, advantages, ids, 0, 1, v, v_teacher, 1, 1.0, 5.0, kl_beta)
-
-    loss, policy_loss, kl_loss, kl = kl_terms(teacher, 0.1)
-    assert torch.allclose(kl, kl_per)
+    loss, stats = loss_of(r, advantages, ids, v=v, v_teacher=teacher, kl_beta=0.1)
+    assert stats["kl"] == pytest.approx(kl_per.mean().item())  # the images' mean
     c_min = 1e-4 / 0.1  # a = 1 -> weight 1, a = 0 -> c_min: per-image coefficients 0.1, 1e-4
-    assert kl_loss.item() == pytest.approx(0.1 * (1.0 * 2.5 + c_min * 2.0) / 2, rel=1e-6)
-    assert loss.item() == pytest.approx(policy_loss.item() + kl_loss.item(), rel=1e-6)
-    _, _, kl_loss, kl = kl_terms(None, 0.0)  # no teacher: no KL
-    assert kl_loss.item() == 0.0 and kl is None
+    # the weighted sum pins each image's KL: with their mean, only (2.5, 2.0) fits
+    assert stats["kl_loss"] == pytest.approx(0.1 * (1.0 * 2.5 + c_min * 2.0) / 2, rel=1e-6)
+    assert loss.item() == pytest.approx(stats["policy_loss"] + stats["kl_loss"], rel=1e-6)
+    _, stats = loss_of(r, advantages, ids, v=v)  # no teacher: no KL
+    assert stats["kl_loss"] == 0.0 and "kl" not in stats
 
 
 # ---- units: schedules, timesteps -----------------------------------------------------------
@@ -313,6 +323,8 @@ def test_nan_reward_stops_with_intact_checkpoint(tiny_sd3, tmp_path):
     (["--group-size", "3", "--prompts-per-epoch", "4", "--updates-per-epoch", "1"],
      "single image"),
     (["--num-train-timesteps", "0"], "--num-train-timesteps"),
+    # issue 42: crd_loss divides by crd_beta, and a negative one pushes the residuals up
+    (["--crd-beta", "0"], "--crd-beta must be > 0"),
 ])
 def test_bad_input_is_rejected_before_loading(tiny_sd3, tmp_path, extra, message):
     assert_bad_input(SCRIPT, flags(tiny_sd3, tmp_path, *extra), message)
