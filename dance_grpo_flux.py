@@ -56,7 +56,7 @@ from sde import group_advantages, sde_step, sde_window, shift_sigmas
 # reads six names that ALGO LOGIC sets:
 #   eval_sigmas     the sigma grid of eval's ODE sampler
 #   group_ids       (P*G,) the group (prompt) of each of the epoch's images
-#   sampling_start  the clock once this rank's prompts are encoded
+#   sampling_start  the clock after this rank's text encoding
 #   futures         this rank's micro-batches' rewards, as futures
 #   grad_norm       the gradient norm of the last optimizer step
 #   summary         the algorithm's part of the epoch's line on stdout
@@ -277,8 +277,8 @@ def check_args(args) -> dict | None:
         fail("--mixed-precision fp16 needs a GPU (on CPU: bf16 or no)")
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         fail(f"--output-dir {args.output_dir!r} is a file")
-    lora = (args.lora_rank, args.lora_alpha) != (Args.lora_rank, Args.lora_alpha)
-    if args.full_finetune and (lora or args.mixed_precision == "fp16"):
+    lora_flags = (args.lora_rank, args.lora_alpha) != (Args.lora_rank, Args.lora_alpha)
+    if args.full_finetune and (lora_flags or args.mixed_precision == "fp16"):
         fail("--full-finetune: no LoRA-only --lora-rank/--lora-alpha, no fp16")
     try:  # the config files give the resolution's factor before the weights load
         vae = AutoencoderKL.load_config(args.model, subfolder="vae")
@@ -558,8 +558,8 @@ if __name__ == "__main__":
     if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
         run_dir = os.path.dirname(parent)  # a resumed run goes on in its directory
 
-    # ALGO LOGIC: from images to optimizer steps. The defaults on 8 GPUs: 24 batches
-    # of 1 per GPU, each training 6 of its first 11 steps; 2 updates of 12 x 6 = 72.
+    # ALGO LOGIC: from images to optimizer steps. The defaults on 8 GPUs: 24 micro-batches
+    # of 1 per GPU, each training 6 of its first 11 steps: 2 updates of 12 x 6 micro-steps.
     if num_batches % args.updates_per_epoch:
         fail(f"{num_batches} micro-batches per GPU per epoch do not split into "
              f"--updates-per-epoch {args.updates_per_epoch}")
@@ -584,7 +584,7 @@ if __name__ == "__main__":
               f"{args.group_size}); {args.updates_per_epoch} updates/epoch of "
               f"{accum_steps} micro-steps each; run dir {run_dir}")
 
-    # TRY NOT TO MODIFY: the model: frozen base in bf16/fp16, LoRA in fp32
+    # TRY NOT TO MODIFY: the model: frozen base in bf16/fp16, LoRA (or all) in fp32
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
     dtype = dtypes[args.mixed_precision]
     pipe = FluxPipeline.from_pretrained(
@@ -597,9 +597,9 @@ if __name__ == "__main__":
     if args.full_finetune:
         shard_for_full_finetune(transformer)
     else:  # peft's default init (Kaiming-uniform A), as upstream
-        config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
-                            init_lora_weights=True, target_modules=LORA_TARGETS)
-        transformer.add_adapter(config)
+        lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
+                          init_lora_weights=True, target_modules=LORA_TARGETS)
+        transformer.add_adapter(lora)
     params = [p for p in transformer.parameters() if p.requires_grad]
     for p in params:
         p.data = p.data.float()
@@ -809,7 +809,7 @@ if __name__ == "__main__":
                                            args.timestep_fraction, step_gen)
             steps = steps.to(device)
             for j in range(num_train_steps):
-                step = steps[:, j]  # (B,): each sample's own step
+                step = steps[:, j]  # (B,): a step per sample
                 sigma = sigmas[out.start:][step]
                 sigma_next = sigmas[out.start:][step + 1]
                 x = out.latents[rows, step]
