@@ -125,7 +125,7 @@ def test_files_and_modes_that_cannot_work_fail_before_the_model_loads(tiny_sd3, 
     for extra, message in [
             (["--output-dir", str(tmp_path / "a_file")], "a_file' is a file"),
             (["--train-prompts", str(tmp_path / "bad.jsonl")], "must be a JSON object with"),
-            (["--test-prompts", str(tmp_path / "no_prompt.jsonl")], "with a 'prompt' field"),
+            (["--test-prompts", str(tmp_path / "no_prompt.jsonl")], "with a 'prompt'"),
             (["--mixed-precision", "fp16"], "fp16 needs a GPU")]:
         assert_bad_input(script, flags + extra, message)
 
