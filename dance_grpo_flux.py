@@ -186,7 +186,7 @@ ALGO_LIMITS = {"shift": "> 0", "noise_level": ">= 0", "sde_window_size": ">= 0",
                "updates_per_epoch": ">= 1", "timestep_fraction": "in (0, 1]",
                "clip_range": ">= 0"}
 STEP_STREAM = 1  # a seed key: the steps each sample trains
-GROUP_NOISE_STREAM = 2  # a seed key: a group's shared initial latent
+GROUP_NOISE_STREAM = 2  # a seed key: a group's initial latent
 
 def dance_sigmas(num_steps: int, shift: float) -> torch.Tensor:
     """(num_steps + 1,) sigmas, 1 to 0: a uniform grid, time-shifted."""
@@ -386,8 +386,8 @@ def ode_sample(velocity, noise, sigmas) -> torch.Tensor:
 def decode(pipe, latents, resolution: int) -> torch.Tensor:
     """Packed latents -> images (B, 3, H, W) in [0, 1], decoded in fp32."""
     vae = pipe.vae
-    size = resolution
-    latents = pipe._unpack_latents(latents, size, size, pipe.vae_scale_factor)
+    scale = pipe.vae_scale_factor
+    latents = pipe._unpack_latents(latents, resolution, resolution, scale)
     latents = latents.float() / vae.config.scaling_factor + vae.config.shift_factor
     return (vae.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
 
