@@ -35,8 +35,8 @@ from peft import LoraConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "tests"), os.path.join(REPO, "benchmarks")]
-from dance_grpo_flux import (LORA_TARGETS, dance_sigmas, decode, image_ids,  # noqa: E402
-                             predict_velocity, rollout)
+from dance_grpo_flux import (LORA_TARGETS, Text, dance_sigmas, decode,  # noqa: E402
+                             image_ids, predict_velocity, rollout)
 from sde import sde_step  # noqa: E402
 from throughput import (ATTENTION_BACKENDS, checkpoint_blocks, compile_blocks,  # noqa: E402
                         device_name, flops_of, matmul_peak, timed, timed_first,
@@ -164,17 +164,18 @@ def main(args: Args):
                          dtype=dtype, generator=gen)
     pooled = torch.randn(B, tr.config.pooled_projection_dim, device=device, dtype=dtype,
                          generator=gen)
-    text_ids = torch.zeros(args.text_tokens, 3, device=device)
     img_ids = image_ids(latent // 2, latent // 2, device)
     sigmas = dance_sigmas(args.num_steps, 3.0).to(device)
     state = {}
 
+    def velocity(x, sigma):  # as the script's: autocast around the forward
+        with autocast:
+            return predict_velocity(tr, x, sigma, Text(embeds, pooled), img_ids, 3.5)
+
     def ours():
-        cond = (embeds, pooled, text_ids, img_ids)  # every step an SDE step
-        latents, old_lp, x0_hat = rollout(tr, noise, sigmas, (0, args.num_steps), 0.3, cond, 3.5,
-                                          autocast, gen)
-        state["latents"], state["old_lp"] = torch.stack(latents, 1), torch.stack(old_lp, 1)
-        return decode(pipe, x0_hat, res)
+        out = rollout(velocity, noise, sigmas, (0, args.num_steps), 0.3, gen)  # all SDE steps
+        state["latents"], state["old_lp"] = out.latents, out.log_probs
+        return decode(pipe, out.sample, res)
 
     def diffusers_call():
         packed = pipe(prompt_embeds=embeds, pooled_prompt_embeds=pooled, latents=noise.to(dtype),
@@ -184,9 +185,7 @@ def main(args: Args):
 
     def dance_step():
         latents, old_lp = state["latents"], state["old_lp"]
-        with autocast:
-            v = predict_velocity(tr, latents[:, 0], sigmas[0], embeds, pooled, text_ids, img_ids,
-                                 3.5)
+        v = velocity(latents[:, 0], sigmas[0])
         _, lp, _, _ = sde_step(v, latents[:, 0], sigmas[0], sigmas[1], "dance", 0.3,
                                prev_sample=latents[:, 1])
         (-torch.exp(lp - old_lp[:, 0]).mean()).backward()

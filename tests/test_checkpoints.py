@@ -27,13 +27,13 @@ def velocity(module, transformer, flux: bool) -> torch.Tensor:
     generator, config = torch.Generator().manual_seed(0), transformer.config
     embeds = torch.randn(2, 5, config.joint_attention_dim, generator=generator)
     pooled = torch.randn(2, config.pooled_projection_dim, generator=generator)
+    text = module.Text(embeds, pooled)
     with torch.no_grad():
         if flux:  # 4x4 packed latent tokens
             latents = torch.randn(2, 16, config.in_channels, generator=generator)
-            return module.predict_velocity(transformer, latents, 0.6, embeds, pooled,
-                                           torch.zeros(5, 3), module.image_ids(4, 4, "cpu"), 3.5)
+            return module.predict_velocity(transformer, latents, 0.6, text,
+                                           module.image_ids(4, 4, "cpu"), 3.5)
         latents = torch.randn(2, config.in_channels, 8, 8, generator=generator)
-        text = module.Text(embeds, pooled)
         return module.predict_velocity(transformer, latents, 0.6, text, None, 1.0)
 
 
@@ -125,7 +125,7 @@ def test_files_and_modes_that_cannot_work_fail_before_the_model_loads(tiny_sd3, 
     for extra, message in [
             (["--output-dir", str(tmp_path / "a_file")], "a_file' is a file"),
             (["--train-prompts", str(tmp_path / "bad.jsonl")], "must be a JSON object with"),
-            (["--test-prompts", str(tmp_path / "no_prompt.jsonl")], "with a 'prompt' field"),
+            (["--test-prompts", str(tmp_path / "no_prompt.jsonl")], "with a 'prompt'"),
             (["--mixed-precision", "fp16"], "fp16 needs a GPU")]:
         assert_bad_input(script, flags + extra, message)
 

@@ -2,13 +2,13 @@
 positions, rollout), then end-to-end runs on the tiny offline FLUX pipeline."""
 
 import math
-from contextlib import nullcontext
+from functools import partial
 
 import pytest
 import torch
 
-from dance_grpo_flux import (dance_sigmas, decode, grpo_loss, image_ids, predict_velocity,
-                             rollout, select_train_steps)
+from dance_grpo_flux import (dance_sigmas, decode, encode, grpo_loss, image_ids, ode_sample,
+                             predict_velocity, rollout, select_train_steps)
 from scripts_harness import (TOY_REWARD, assert_accuracy_rose, assert_bad_input,
                              assert_common_run, assert_eval_only_reproduces, assert_phases_add_up,
                              cut_back_copy, learning_run, lora_tensors, read_metrics, run_script,
@@ -68,16 +68,26 @@ def test_select_train_steps_is_a_per_sample_subset_without_the_last_step():
     assert select_train_steps(3, 4, 1.0, gen).sort(dim=1).values.tolist() == [[0, 1, 2]] * 3
 
 
+def loss_of(log_prob, advantages, clip_range, accum_steps=1):
+    """grpo_loss on a step scored log_prob now and 0 at the rollout, advantages clipped to 5."""
+    return grpo_loss(log_prob=log_prob, old_log_prob=torch.zeros_like(log_prob),
+                     advantages=advantages, clip_range=clip_range, adv_clip=5.0,
+                     accum_steps=accum_steps)
+
+
 def test_grpo_loss_clips_ratio_and_advantage_and_divides_by_the_accumulation():
     zero = torch.zeros(2)
-    loss, policy_loss, ratio = grpo_loss(zero, zero, torch.tensor([-1.0, -1.0]), 1e-4, 5.0, 1)
-    assert policy_loss.item() == pytest.approx(1.0) and torch.equal(ratio, torch.ones(2))
+    loss, ratio, stats = loss_of(zero, torch.tensor([-1.0, -1.0]), 1e-4)
+    assert stats["policy_loss"] == pytest.approx(1.0) and torch.equal(ratio, torch.ones(2))
     assert loss.item() == pytest.approx(1.0)
+    assert stats["approx_kl"] == 0.0 and stats["clipfrac"] == 0.0  # on-policy
     log_prob = torch.tensor([math.log(1.5), math.log(1.5)])
-    _, policy_loss, _ = grpo_loss(log_prob, zero, torch.tensor([1.0, -1.0]), 0.2, 5.0, 1)
-    assert policy_loss.item() == pytest.approx((-1.2 + 1.5) / 2)
-    loss, policy_loss, _ = grpo_loss(zero, zero, torch.tensor([100.0, 100.0]), 0.2, 5.0, 4)
-    assert policy_loss.item() == pytest.approx(-5.0)  # the advantage is clipped to 5
+    _, _, stats = loss_of(log_prob, torch.tensor([1.0, -1.0]), 0.2)
+    assert stats["policy_loss"] == pytest.approx((-1.2 + 1.5) / 2)
+    assert stats["approx_kl"] == pytest.approx(0.5 * math.log(1.5) ** 2)
+    assert stats["clipfrac"] == 1.0  # both ratios 1.5, outside 1 +- 0.2
+    loss, _, stats = loss_of(zero, torch.tensor([100.0, 100.0]), 0.2, accum_steps=4)
+    assert stats["policy_loss"] == pytest.approx(-5.0)  # the advantage is clipped to 5
     assert loss.item() == pytest.approx(-5.0 / 4)  # the micro-step's share of the step's mean
 
 
@@ -114,26 +124,28 @@ def test_decode_unpacks_the_tokens_the_pipeline_packed(tiny_pipe):
     assert torch.equal(got, (want / 2 + 0.5).clamp(0, 1))
 
 
-def encode(pipe, prompts):
-    embeds, pooled, text_ids = pipe.encode_prompt(prompts, None, max_sequence_length=16)
-    return embeds, pooled, text_ids, image_ids(4, 4, "cpu")
+def velocity_of(pipe, prompts):
+    """The velocity (x, sigma) -> v of the script's model on the tiny pipeline: its encoded
+    prompts, 4 x 4 packed tokens, guidance 3.5."""
+    text = encode(pipe, prompts, torch.device("cpu"), 16)
+    return partial(predict_velocity, pipe.transformer, text=text,
+                   img_ids=image_ids(4, 4, "cpu"), guidance_scale=3.5)
 
 
 def test_rollout_then_mixed_step_rescoring_gives_ratio_one(tiny_pipe):
     """Training re-scores each sample at its own step in one forward: the log-probs equal the
     rollout's."""
     gen = torch.Generator().manual_seed(0)
-    cond, sigmas = encode(tiny_pipe, ["a cat", "a dog", "a cow"]), dance_sigmas(4, 3.0)
+    velocity, sigmas = velocity_of(tiny_pipe, ["a cat", "a dog", "a cow"]), dance_sigmas(4, 3.0)
     noise = torch.randn(3, 16, 16, generator=gen)
-    latents, log_probs, x0_hat = rollout(tiny_pipe.transformer, noise, sigmas, (0, 4), 0.3, cond,
-                                         3.5, nullcontext(), gen)
-    latents, log_probs = torch.stack(latents, dim=1), torch.stack(log_probs, dim=1)
-    assert latents.shape == (3, 5, 16, 16) and log_probs.shape == (3, 4)
-    assert x0_hat.shape == (3, 16, 16)
+    out = rollout(velocity, noise, sigmas, (0, 4), 0.3, gen)
+    latents, log_probs = out.latents, out.log_probs
+    assert out.start == 0 and latents.shape == (3, 5, 16, 16) and log_probs.shape == (3, 4)
+    assert out.sample.shape == (3, 16, 16)
     assert torch.equal(latents[:, 0], noise) and torch.isfinite(log_probs).all()
     t, rows = torch.tensor([0, 2, 1]), torch.arange(3)
     with torch.no_grad():
-        v = predict_velocity(tiny_pipe.transformer, latents[rows, t], sigmas[t], *cond, 3.5)
+        v = velocity(latents[rows, t], sigmas[t])
     _, log_prob, _, _ = sde_step(v, latents[rows, t], sigmas[t], sigmas[t + 1], "dance", 0.3,
                                  prev_sample=latents[rows, t + 1])
     assert torch.allclose(log_prob, log_probs[rows, t], atol=1e-5, rtol=0)
@@ -147,30 +159,23 @@ def test_sde_window_start_is_drawn_from_a_to_b_minus_k_inclusive():
 
 @pytest.mark.parametrize("window", [(1, 3), (0, 2), (2, 4)])
 def test_rollout_is_dance_sde_inside_the_window_and_ode_outside(tiny_pipe, window):
-    cond, sigmas = encode(tiny_pipe, ["a cat", "a dog"]), dance_sigmas(4, 3.0)
+    velocity, sigmas = velocity_of(tiny_pipe, ["a cat", "a dog"]), dance_sigmas(4, 3.0)
     noise = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(0))
-
-    def sample(noise, sigmas, window, generator):
-        return rollout(tiny_pipe.transformer, noise, sigmas, window, 0.3, cond, 3.5,
-                       nullcontext(), generator)
-
-    (latents, log_probs, x0_hat), (latents_b, _, _) = [
-        sample(noise, sigmas, window, torch.Generator().manual_seed(seed)) for seed in (0, 1)]
-    latents, latents_b = torch.stack(latents, dim=1), torch.stack(latents_b, dim=1)
-    log_probs = torch.stack(log_probs, dim=1)
-    assert latents.shape == (2, 3, 16, 16) and log_probs.shape == (2, 2)
-    assert x0_hat.shape == (2, 16, 16)
-    ode_latents, ode_log_probs, _ = sample(noise, sigmas, (window[0], window[0]), None)
-    assert ode_log_probs == [] and len(ode_latents) == 1  # an empty window: all ODE
-    assert torch.equal(latents[:, 0], ode_latents[0])  # ODE before the window
-    assert torch.equal(latents[:, 0], latents_b[:, 0])
-    assert not torch.allclose(latents[:, 1:], latents_b[:, 1:])  # SDE inside: the noise matters
-    if window[1] < 4:  # ODE after the window, from its last latent, gives the reward's x0_hat
-        assert torch.equal(x0_hat, sample(latents[:, -1], sigmas[window[1] :], (0, 0), None)[2])
+    out, other = [rollout(velocity, noise, sigmas, window, 0.3, torch.Generator().manual_seed(seed))
+                  for seed in (0, 1)]
+    latents, log_probs = out.latents, out.log_probs
+    assert out.start == window[0] and latents.shape == (2, 3, 16, 16)
+    assert log_probs.shape == (2, 2) and out.sample.shape == (2, 16, 16)
+    # ODE before the window: eval's Euler sampler, for any generator
+    assert torch.equal(latents[:, 0], ode_sample(velocity, noise, sigmas[: window[0] + 1]))
+    assert torch.equal(latents[:, 0], other.latents[:, 0])
+    assert not torch.allclose(latents[:, 1:], other.latents[:, 1:])  # SDE inside: noise matters
+    if window[1] < 4:  # ODE after the window: the reward's x0_hat is the Euler ODE's sample
+        assert torch.equal(out.sample, ode_sample(velocity, latents[:, -1], sigmas[window[1] :]))
     with torch.no_grad():  # training re-scores the stored window steps exactly (ratio 1)
         for j in range(2):
             s = sigmas[window[0] + j : window[0] + j + 2]
-            v = predict_velocity(tiny_pipe.transformer, latents[:, j], s[0], *cond, 3.5)
+            v = velocity(latents[:, j], s[0])
             log_prob = sde_step(v, latents[:, j], s[0], s[1], "dance", 0.3,
                                 prev_sample=latents[:, j + 1])[1]
             assert torch.allclose(log_prob, log_probs[:, j], atol=1e-5, rtol=0)
@@ -277,7 +282,7 @@ def test_window_run_trains_only_the_window(tiny_flux, tmp_path, nproc):
     (["--model", "/nonexistent/model"], "no local pipeline directory"),
     (["--prompts-per-epoch", "3"], "do not split"),
     (["--updates-per-epoch", "3"], "--updates-per-epoch"),
-    (["--group-size", "1", "--batch-size", "1"], "at least 2 images"),
+    (["--group-size", "1", "--batch-size", "1"], "--group-size must be >= 2"),
     (["--timestep-fraction", "0.1"], "trains no step"),
     (["--resume", "/tmp"], "not a checkpoint directory"),
 ])

@@ -11,7 +11,8 @@ import tyro
 from PIL import Image
 
 import rewards
-from dance_grpo_flux import Args, dance_sigmas, evaluate, image_ids
+from dance_grpo_flux import (Args, dance_sigmas, decode, encode, image_ids, ode_sample,
+                             predict_velocity, seeded_generator)
 from scripts_harness import (PROMPTS, TOY_REWARD, assert_bad_input, assert_eval_only_reproduces,
                              cut_back_copy, read_metrics, run_script)
 from test_dance_grpo_flux import SCRIPT, tiny_flux_flags
@@ -33,8 +34,8 @@ def exported(checkpoint, name="transformer") -> dict:
 
 
 def eval_in_this_process(tiny_flux, run_flags, export_dir):
-    """The script's eval (same seeds, batches, autocast) of
-    FluxPipeline.from_pretrained(tiny, transformer=export)."""
+    """The script's eval on one process (its seeds, batches, autocast, ODE sampler and decode)
+    of FluxPipeline.from_pretrained(tiny, transformer=export): (mean reward, contact sheet)."""
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
     args = tyro.cli(Args, args=run_flags)
@@ -45,15 +46,31 @@ def eval_in_this_process(tiny_flux, run_flags, export_dir):
                                         dtype={"default": dtype, "vae": torch.float32})
     assert pipe.transformer.dtype == torch.float32  # the fp32 master weights
     autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+    cpu = torch.device("cpu")
     grid = args.resolution // pipe.vae_scale_factor // 2  # packed tokens per side
     shape = (grid**2, pipe.transformer.config.in_channels)
+    sigmas = dance_sigmas(args.eval_num_steps, args.shift)
     prompts = [p.strip() for p in open(PROMPTS).read().split("\n") if p.strip()]
-    means, sheet = evaluate(pipe, args, prompts, [{}] * len(prompts),
-                            rewards.build_reward(TOY_REWARD),
-                            dance_sigmas(args.eval_num_steps, args.shift),
-                            image_ids(grid, grid, "cpu"), 0, 1, torch.device("cpu"), autocast,
-                            shape)
-    return means["reward_mean"], sheet
+    # 4 distinct prompts, 16 cells: the sheet is one row of their images, in order
+    assert len(set(prompts)) == len(prompts) == 4 and args.eval_sheet_size == 16
+    reward_fn = rewards.build_reward(TOY_REWARD)
+    scores = []
+    cells = []
+    for start in range(0, len(prompts), args.eval_batch_size):
+        ids = range(start, min(start + args.eval_batch_size, len(prompts)))
+        noise = torch.stack([torch.randn(shape, generator=seeded_generator(cpu, args.seed, i))
+                             for i in ids])
+        text = encode(pipe, [prompts[i] for i in ids], cpu, args.max_sequence_length)
+
+        def velocity(x, sigma):
+            with autocast:
+                return predict_velocity(pipe.transformer, x, sigma, text,
+                                        image_ids(grid, grid, cpu), args.guidance_scale)
+
+        images = decode(pipe, ode_sample(velocity, noise, sigmas), args.resolution)
+        scores += reward_fn(images, [prompts[i] for i in ids], [{}] * len(ids))[0].tolist()
+        cells += list((images.permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8))
+    return float(np.mean(scores)), np.concatenate(cells, axis=1)
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +91,10 @@ def test_sharded_gradients_equal_unsharded_ones(tiny_flux):
     from diffusers import FluxPipeline
     from torch.distributed.tensor import DTensor
 
-    from dance_grpo_flux import predict_velocity, shard_for_full_finetune
+    from dance_grpo_flux import shard_for_full_finetune
 
     pipe = FluxPipeline.from_pretrained(tiny_flux)
-    with torch.no_grad():
-        embeds, pooled, text_ids = pipe.encode_prompt(["a cat", "a dog"], None,
-                                                      max_sequence_length=16)
+    text = encode(pipe, ["a cat", "a dog"], torch.device("cpu"), 16)
     x = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(0))
     ids = image_ids(4, 4, "cpu")
     plain = pipe.transformer.requires_grad_(True)
@@ -88,8 +103,7 @@ def test_sharded_gradients_equal_unsharded_ones(tiny_flux):
     try:
         shard_for_full_finetune(sharded)
         for model in (plain, sharded):
-            v = predict_velocity(model.train(), x, torch.tensor([0.7, 0.3]), embeds, pooled,
-                                 text_ids, ids, 3.5)
+            v = predict_velocity(model.train(), x, torch.tensor([0.7, 0.3]), text, ids, 3.5)
             (v**2).mean().backward()
         for (name, p), q in zip(plain.named_parameters(), sharded.parameters()):
             assert isinstance(q, DTensor) and q.grad is not None, name
@@ -180,10 +194,10 @@ def test_full_finetune_bad_input(tiny_flux, tmp_path, full_run):
     fp16 = base[: -len(FULL)] + FULL + ["--mixed-precision", "fp16"]
     assert_bad_input(SCRIPT, fp16, "fp16")  # on CPU: fp16 needs a GPU
     full_checkpoint = str(full_run[0] / "checkpoints" / "epoch_00002")
+    mismatch = "needs the --full-finetune it was saved with"
     assert_bad_input(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path / "out") + [
-        "--resume", full_checkpoint], "is a --full-finetune checkpoint")
+        "--resume", full_checkpoint], mismatch)
     lora_checkpoint = tmp_path / "lora_ckpt"
     lora_checkpoint.mkdir()
     torch.save({}, lora_checkpoint / "state.pt")
-    assert_bad_input(SCRIPT, base + ["--resume", str(lora_checkpoint)],
-                     "is not a --full-finetune checkpoint")
+    assert_bad_input(SCRIPT, base + ["--resume", str(lora_checkpoint)], mismatch)
