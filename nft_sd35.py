@@ -214,16 +214,16 @@ def nft_loss(*, v, v_old, v_ref, x0, xt, t, advantages, beta, adv_clip, kl_beta,
     policy and the base model (None: no KL) at xt = (1 - t) x0 + t noise; t,
     advantages: (B,). The terms:
     - implicit policies v+ = beta v + (1 - beta) v_old, v- = (1 + beta) v_old - beta v:
-      fitting v+ to good samples and v- to bad ones moves v towards the good samples
-      and away from the bad;
+      fitting v+ to good samples and v- to bad ones moves v towards the good, away
+      from the bad;
     - adaptive weighting: l+- = mean(e^2) / sg(mean |e|) per sample, e = xt - t v+- - x0
-      (fp64; sg: detached, >= 1e-5): a loss like |e|, so that no timestep or outlier
+      (fp64; sg: detached, >= 1e-5): a loss like |e|, so no timestep or outlier
       dominates;
     - r = clip(A, +-adv_clip) / (2 adv_clip) + 1/2, the probability in [0, 1] that a
       sample is good, weighs the branches: r l+ + (1 - r) l-;
     - x adv_clip / beta: where v == v_old (an epoch's start while eta is 0) the gradient
       is clip(A, +-adv_clip) times that of the weighted flow-matching loss, whatever
-      beta is;
+      beta;
     - + kl_beta mean((v - v_ref)^2), upstream's KL to the base model;
     - / accum_steps: an optimizer step adds up accum_steps micro-steps' gradients."""
     dims = tuple(range(1, v.dim()))
@@ -258,8 +258,8 @@ def old_decay(step: int, decay_type: int) -> float:
     if decay_type == 1:  # up from 0 by 0.001 a step, capped at 0.5 from step 500
         return min(0.001 * step, 0.5)
     # OCR's: on-policy for the fast first 75 steps (about 37 epochs at 2 updates
-    # each), then up by 0.0075 a step to 0.999 at step 208: from there the old policy
-    # is a slow EMA of the current one, which keeps the long run stable.
+    # each), then up by 0.0075 a step to 0.999 from step 209 on: from there the old
+    # policy is a slow EMA of the current one, which keeps the long run stable.
     if step < 75:
         return 0.0
     return min(0.0075 * (step - 75), 0.999)
