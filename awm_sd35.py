@@ -195,7 +195,7 @@ def sa_solver_sample(velocity, scheduler, noise, sigmas, tau, tau_window,
     upstream's does: SD3's `sigmas` less the 0, from 1 - 1e-3, the last
     point halved; the last call's x - sigma v is the sample."""
     grid = sigmas[:-1].clone()  # (T,)
-    grid[-1] = grid[-2] / 2
+    grid[-1] = grid[-2] / 2  # first: at T = 2, grid[-2] is grid[0]
     grid[0] = 1 - 1e-3
     scheduler.set_timesteps(len(grid))  # resets the multistep history
     scheduler.sigmas = torch.cat([grid, grid[-1:]]).cpu()
@@ -813,8 +813,7 @@ if __name__ == "__main__":
                 with torch.no_grad(), swapped(lora_params, anchor_params):
                     v_anchor = velocity(x_t, t, text)
             v = velocity(x_t, t, text)  # (K*B, C, h, w)
-            # ghuber weighting, power 0.25: in every upstream config
-            log_prob = awm_log_prob(v, x0, noise, t)
+            log_prob = awm_log_prob(v, x0, noise, t)  # ghuber p 0.25: all upstream's
             loss, step_stats = awm_loss(
                 log_prob=log_prob, advantages=my_advantages[rows], v=v, v_base=v_base,
                 v_anchor=v_anchor, adv_clip=args.adv_clip, kl_beta=args.kl_beta,
@@ -822,16 +821,16 @@ if __name__ == "__main__":
             scaler.scale(loss).backward()
             for name, value in step_stats.items():
                 stats[name].append(value)
-            # The plain flow-matching loss, for the log
-            fm_loss = ((v.detach() - (noise - x0)) ** 2).mean()
+            fm_loss = ((v.detach() - (noise - x0)) ** 2).mean()  # unweighted, for the log
             stats["fm_loss"].append(fm_loss.item())
         grad_norm = optimizer_step(
             optimizer, scaler, lora_params, args.max_grad_norm, world, loss,
             f"epoch {epoch}, step {global_step}", run_dir)
         global_step += 1
-        # The EMA: upstream's, with its warm-up. The anchor: upstream's 'linear' decay,
-        # up by 0.001 a step to 0.3 (step 300): near the weights an update starts
-        # from, so anchor_kl acts as a trust region (upstream: "mimic TRPO").
+        # The EMA: upstream's, with its warm-up. The anchor: upstream's 'linear'
+        # decay, up by 0.001 a step to at most 0.3 (from step 300), so the anchor
+        # stays near the weights each update starts from: anchor_kl is a trust
+        # region (upstream: "mimic TRPO").
         decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))
         anchor_decay = min(0.3, 0.001 * global_step)
         for ema, anchor, p in zip(ema_params, anchor_params, lora_params):

@@ -181,12 +181,13 @@ ALGO_LIMITS = {"updates_per_epoch": ">= 1", "timestep_fraction": "in (0, 1]",
 
 @torch.no_grad()
 def dpm_sample(velocity, noise, sigmas) -> torch.Tensor:
-    """Deterministic DPM-Solver++ in data prediction: first-order (DDIM) steps out of
-    sigmas[0] and into sigmas[-1], second-order multistep between. velocity(x, sigma)
-    -> v; noise: (B, C, h, w); sigmas: (T+1,) from 1 to 0. Returns the latents (B, T+1,
-    C, h, w), fp32. s: the sigmas in fp64, as all coefficients; lam: the log-SNR
-    log((1 - s) / s), -inf at sigma 1 (so that the second step is first order too, as
-    upstream's); h: its increment."""
+    """Deterministic DPM-Solver++ in data prediction: first-order (DDIM)
+    steps out of sigmas[0] and into sigmas[-1], second-order multistep
+    between. velocity(x, sigma) -> v; noise: (B, C, h, w); sigmas: (T+1,)
+    from 1 to 0. Returns the latents (B, T+1, C, h, w), fp32. s: the sigmas
+    in fp64, as all coefficients; lam: the log-SNR log((1 - s) / s), -inf at
+    sigma 1 (so that the second step is first order too, as upstream's); h:
+    its increment."""
     s = sigmas.double()
     lam = torch.log(1 - s) - torch.log(s)
     x = noise.float()
@@ -210,22 +211,22 @@ def nft_loss(*, v, v_old, v_ref, x0, xt, t, advantages, beta, adv_clip, kl_beta,
              accum_steps):
     """A micro-step's loss: (loss to backward, {statistic: float}).
 
-    v, v_old, v_ref: (B, C, h, w) fp32 velocities of the policy, the old (rollout)
-    policy and the base model (None: no KL) at xt = (1 - t) x0 + t noise; t,
-    advantages: (B,). The terms:
-    - implicit policies v+ = beta v + (1 - beta) v_old, v- = (1 + beta) v_old - beta v:
-      fitting v+ to good samples and v- to bad ones moves v towards the good, away
-      from the bad;
-    - adaptive weighting: l+- = mean(e^2) / sg(mean |e|) per sample, e = xt - t v+- - x0
-      (fp64; sg: detached, >= 1e-5): a loss like |e|, so no timestep or outlier
-      dominates;
-    - r = clip(A, +-adv_clip) / (2 adv_clip) + 1/2, the probability in [0, 1] that a
-      sample is good, weighs the branches: r l+ + (1 - r) l-;
-    - x adv_clip / beta: where v == v_old (an epoch's start while eta is 0) the gradient
-      is clip(A, +-adv_clip) times that of the weighted flow-matching loss, whatever
-      beta;
+    v, v_old, v_ref: (B, C, h, w) fp32 velocities of the policy, the old
+    (rollout) policy and the base model (None: no KL) at
+    xt = (1 - t) x0 + t noise; t, advantages: (B,). The terms:
+    - implicit policies v+ = beta v + (1 - beta) v_old and
+      v- = (1 + beta) v_old - beta v: fitting v+ to good samples and v- to
+      bad ones moves v towards the good, away from the bad;
+    - adaptive weighting: per sample l+- = mean(e^2) / sg(mean |e|), with
+      e = xt - t v+- - x0 (fp64; sg: detached, >= 1e-5): a loss like |e|,
+      so that no timestep or outlier dominates;
+    - r = clip(A, +-adv_clip) / (2 adv_clip) + 1/2, the probability in
+      [0, 1] that a sample is good, weighs the branches: r l+ + (1 - r) l-;
+    - x adv_clip / beta: where v == v_old (an epoch's start while eta is 0)
+      the gradient is clip(A, +-adv_clip) times that of the weighted
+      flow-matching loss, whatever beta is;
     - + kl_beta mean((v - v_ref)^2), upstream's KL to the base model;
-    - / accum_steps: an optimizer step adds up accum_steps micro-steps' gradients."""
+    - / accum_steps: an optimizer step sums its micro-steps' gradients."""
     dims = tuple(range(1, v.dim()))
     t = t.view([-1] + [1] * (v.dim() - 1))  # (B, 1, 1, 1)
 
@@ -249,17 +250,19 @@ def nft_loss(*, v, v_old, v_ref, x0, xt, t, advantages, beta, adv_clip, kl_beta,
     return (policy_loss + kl_beta * kl) / accum_steps, stats
 
 def old_decay(step: int, decay_type: int) -> float:
-    """eta of the old policy's update old <- eta old + (1 - eta) current after `step`
-    optimizer steps. Upstream's return_decay: 0 for a flat number of steps, then up by
-    a rate per step, to a cap. eta 0 (on-policy) learns fast, then collapses; a
-    growing eta is stabler (the paper's Fig. 8)."""
+    """eta of the old policy's update old <- eta old + (1 - eta) current,
+    after `step` optimizer steps. Upstream's return_decay: 0 for a flat
+    number of steps, then up by a rate per step, to a cap. eta 0 (on-policy)
+    learns fast, then collapses; a growing eta is stabler (the paper's
+    Fig. 8)."""
     if decay_type == 0:
         return 0.0
     if decay_type == 1:  # up from 0 by 0.001 a step, capped at 0.5 from step 500
         return min(0.001 * step, 0.5)
-    # OCR's: on-policy for the fast first 75 steps (about 37 epochs at 2 updates
-    # each), then up by 0.0075 a step to 0.999 from step 209 on: from there the old
-    # policy is a slow EMA of the current one, which keeps the long run stable.
+    # OCR's: on-policy for the fast first 75 steps (about 37 epochs at 2
+    # updates each), then up by 0.0075 a step to 0.999 from step 209 on: from
+    # there the old policy is a slow EMA of the current one, which keeps the
+    # long run stable.
     if step < 75:
         return 0.0
     return min(0.0075 * (step - 75), 0.999)
