@@ -200,8 +200,7 @@ def sa_solver_sample(velocity, scheduler, noise, sigmas, tau, tau_window,
     scheduler.set_timesteps(len(grid))  # resets the multistep history
     scheduler.sigmas = torch.cat([grid, grid[-1:]]).cpu()
     scheduler.timesteps = (1000 * grid).cpu()
-    # diffusers asks for tau by a step's source timestep; upstream decides
-    # by its target sigma.
+    # diffusers asks for tau by source timestep; upstream decides by target.
     step_tau = {}
     low, high = tau_window
     targets = grid[1:].tolist()
@@ -760,7 +759,7 @@ if __name__ == "__main__":
             meta = [epoch_meta[group] for group in groups]
             futures.append(executor.submit(reward_fn, images, prompts, meta))
             batch_samples.append(sample)
-        samples = torch.cat(batch_samples)  # (N, C, h, w): all of this rank's
+        samples = torch.cat(batch_samples)  # (N, C, h, w): this rank's
         my_text = epoch_text.rows(my_groups.flatten())  # their prompts'
 
         # TRY NOT TO MODIFY: all ranks' rewards, in rank order, and the advantages
@@ -790,30 +789,31 @@ if __name__ == "__main__":
         # timesteps, with fresh noise, and adds the gradient of awm_loss.
         my_advantages = advantages.to(device).view(world, local_images)[rank]
         transformer.train()
-        train_gen = seeded_generator(device, args.seed, epoch, rank, 1)  # t and noise
+        train_gen = seeded_generator(device, args.seed, epoch, rank, 1)  # sigmas, noise
         stats = defaultdict(list)  # a value per micro-batch
         micro_batches = torch.arange(local_images).split(args.train_batch_size)
-        for micro in tqdm(micro_batches, f"epoch {epoch} training", disable=quiet,
-                          leave=False):
+        for sample_ids in tqdm(micro_batches, f"epoch {epoch} training",
+                               disable=quiet, leave=False):
             step_ids = stratified_timestep_indices(
                 num_train_steps, args.train_timesteps, args.time_type, train_gen)
             # (K*B,) timestep-major: K blocks of the B samples, one timestep each
-            rows = micro.repeat(args.train_timesteps)
-            t = sigmas[step_ids.to(device)].repeat_interleave(len(micro))
+            rows = sample_ids.repeat(args.train_timesteps)
+            sigma = sigmas[step_ids.to(device)].repeat_interleave(len(sample_ids))
             x0 = samples[rows]  # (K*B, C, h, w)
             noise = torch.randn(x0.shape, generator=train_gen, device=device)
-            x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * noise
+            x_t = (1 - sigma.view(-1, 1, 1, 1)) * x0 + sigma.view(-1, 1, 1, 1) * noise
             text = my_text.rows(rows)
             v_base = None  # the base model's, for the KL
             if args.kl_beta > 0:
                 with torch.no_grad(), adapters_disabled(transformer):
-                    v_base = velocity(x_t, t, text)
+                    v_base = velocity(x_t, sigma, text)
             v_anchor = None  # the anchor's
             if args.anchor_beta > 0:
                 with torch.no_grad(), swapped(lora_params, anchor_params):
-                    v_anchor = velocity(x_t, t, text)
-            v = velocity(x_t, t, text)  # (K*B, C, h, w)
-            log_prob = awm_log_prob(v, x0, noise, t)  # ghuber p 0.25: all upstream's
+                    v_anchor = velocity(x_t, sigma, text)
+            v = velocity(x_t, sigma, text)  # (K*B, C, h, w)
+            # ghuber weighting, power 0.25: upstream's
+            log_prob = awm_log_prob(v, x0, noise, sigma)
             loss, step_stats = awm_loss(
                 log_prob=log_prob, advantages=my_advantages[rows], v=v, v_base=v_base,
                 v_anchor=v_anchor, adv_clip=args.adv_clip, kl_beta=args.kl_beta,

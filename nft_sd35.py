@@ -783,18 +783,19 @@ if __name__ == "__main__":
                                device=device)
             order = order.argsort(dim=1)
             for j in range(num_train_steps):
-                t = train_sigmas[order[:, j]]  # (B,)
+                sigma = train_sigmas[order[:, j]]  # (B,)
                 noise = torch.randn(x0.shape, generator=train_gen, device=device)
-                xt = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * noise
+                xt = ((1 - sigma.view(-1, 1, 1, 1)) * x0
+                      + sigma.view(-1, 1, 1, 1) * noise)
                 with torch.no_grad(), swapped(lora_params, old_params):
-                    v_old = velocity(xt, t, text)
-                v = velocity(xt, t, text)
+                    v_old = velocity(xt, sigma, text)
+                v = velocity(xt, sigma, text)
                 v_ref = None  # the base model's, for the KL
                 if args.kl_beta > 0:
                     with torch.no_grad(), adapters_disabled(transformer):
-                        v_ref = velocity(xt, t, text)
+                        v_ref = velocity(xt, sigma, text)
                 loss, step_stats = nft_loss(
-                    v=v, v_old=v_old, v_ref=v_ref, x0=x0, xt=xt, t=t,
+                    v=v, v_old=v_old, v_ref=v_ref, x0=x0, xt=xt, t=sigma,
                     advantages=batch_advantages, beta=args.beta,
                     adv_clip=args.adv_clip, kl_beta=args.kl_beta,
                     accum_steps=accum_steps)
