@@ -1,19 +1,19 @@
 """Advantage Weighted Matching (AWM) on Stable Diffusion 3.5 Medium (see awm_loss).
 
 Paper: AWM, https://arxiv.org/abs/2509.25050
+Docs: docs/awm.md (recipes, metrics, the toy-world demo).
 
 The defaults are the paper's OCR run (upstream config/dgx_awm.py::ocr_sd3_no_cfg_1node),
-rescaled to any GPU count (GenEval, PickScore: README.md).
+on any number of GPUs:
     torchrun --nproc_per_node 8 awm_sd35.py --train-prompts ocr/train.txt \
         --test-prompts ocr/test.txt
 
-CPU demo on the toy world (a few minutes): README.md, "Running a script".
-
 Provenance: scxue/advantage_weighted_matching@be51372 unless named.
-    awm_log_prob          scripts/train_sd3_awm.py, compute_log_prob_awm
+    sa_solver_sample      flow_grpo/diffusers_patch/sd3_pipeline_with_logprob.py
+    sde_sample            the same, without its SA-Solver (sde.py's steps)
+    stratified_timestep_indices   scripts/train_sd3_awm.py, `time_type`
+    awm_log_prob          the same, compute_log_prob_awm
     awm_loss              the same, the training loop (loss_type 'exp_first')
-    stratified_timestep_indices   the same, `time_type`
-    rollout, sa_solver_rollout    flow_grpo/diffusers_patch/sd3_pipeline_with_logprob.py
     the anchor            the same, the "ema" adapter (kl_ema_decay_type 'linear')
     the EMA               flow_grpo/ema.py, EMAModuleWrapper
 """
@@ -26,10 +26,12 @@ import resource
 import shutil
 import sys
 import time
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
-from typing import Literal
+from dataclasses import asdict, dataclass, fields
+from functools import partial
+from typing import Literal, NamedTuple
 
 import numpy as np
 import diffusers
@@ -47,15 +49,24 @@ from tqdm import tqdm
 import rewards
 from sde import compute_advantages, sde_step
 
+# ALGO LOGIC: what a researcher changes. TRY NOT TO MODIFY: plumbing, copied
+# verbatim into every SD3.5 script; it reads six names that ALGO LOGIC sets:
+#   snapshots    {name: LoRA copies} the algorithm keeps (saved in checkpoints)
+#   eval_sigmas  the sigma grid of eval's ODE sampler
+#   group_ids    (P*G,) the group (prompt) of each of the epoch's images
+#   futures      this rank's micro-batches' rewards, as futures
+#   grad_norm    the gradient norm of the last optimizer step
+#   summary      the algorithm's part of the epoch's line on stdout
+
 @dataclass
 class Args:
     # Experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of the experiment (wandb group, run-directory prefix)"""
     seed: int = 42
-    """seed of the LoRA init and prompt draws; noise is seeded per (seed, epoch, rank)"""
+    """seed of the LoRA init, prompt draws and noise (per epoch and rank)"""
     track: bool = False
-    """log to Weights & Biases (stdout and metrics.jsonl are always written)"""
+    """log to Weights & Biases (metrics.jsonl is always written)"""
     wandb_project: str = "flowrl"
     """wandb project"""
     wandb_entity: str | None = None
@@ -63,7 +74,7 @@ class Args:
     output_dir: str = "runs"
     """runs go to OUTPUT_DIR/RUN_NAME (metrics, eval sheets, checkpoints)"""
     resume: str | None = None
-    """checkpoint directory to continue from; `latest`: this exp-name and seed's newest, if any"""
+    """checkpoint to continue from; `latest`: this exp-name and seed's newest"""
     eval_only: bool = False
     """only evaluate the EMA weights of --resume (or the base model), then exit"""
     # Model
@@ -74,24 +85,24 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, ~30% slower)"""
     compile: bool = torch.cuda.is_available()
-    """torch.compile each transformer block (~2x faster on a GPU; default: on with CUDA)"""
+    """torch.compile each transformer block (~2x faster on a GPU; on with CUDA)"""
     lora_rank: int = 32
     """LoRA rank on the 8 joint-attention projections of every block"""
     lora_alpha: int = 64
     """LoRA alpha (scale = alpha / rank)"""
     # Data and reward
     train_prompts: str = "prompts/train.txt"
-    """one prompt per line (blank lines skipped), or JSONL: `prompt`, the rest to the reward"""
+    """a prompt per line, or JSONL: `prompt` and fields for the reward"""
     test_prompts: str = "prompts/test.txt"
     """eval prompts, same format"""
     reward: str = "ocr"
-    """a rewards.py name, a weighted list `ocr=1.0,pickscore=0.5`, or `file.py:function`"""
+    """a rewards.py name, a sum `ocr=1.0,pickscore=0.5`, or `file.py:function`"""
     eval_reward: str | None = None
     """reward of eval (None: the training reward)"""
     advantage_aggregation: Literal["sum", "gdpo"] = "sum"
-    """several rewards: normalise their weighted sum, or each one, then sum (GDPO)"""
+    """several rewards: normalise their weighted sum, or each, then sum (GDPO)"""
     per_group_std: bool = False
-    """divide advantages by their group's std, not the epoch's (upstream: the epoch's)"""
+    """divide advantages by their group's std, not the epoch's (upstream's)"""
     # Sampling
     resolution: int = 512
     """image height and width in pixels"""
@@ -99,7 +110,7 @@ class Args:
     """Euler ODE steps of eval"""
     # Batch sizes (global ones do not depend on the GPU count)
     group_size: int = 24
-    """images per prompt (a group: its mean reward is the advantage baseline)"""
+    """images per prompt (a group: its mean reward is the baseline)"""
     eval_batch_size: int = 8
     """per-GPU eval batch"""
     epochs: int = 1000
@@ -113,7 +124,7 @@ class Args:
     """gradient-norm clip"""
     # Logging, eval, checkpoints
     eval_sheet_size: int = 16
-    """eval images in the contact sheet: a row per distinct test prompt, as many as fit"""
+    """eval images in the contact sheet: a row per distinct test prompt"""
     # Algorithm-specific arguments (defaults: the paper's OCR run)
     max_sequence_length: int = 128
     """T5 tokens per prompt"""
@@ -122,7 +133,7 @@ class Args:
     guidance_scale: float = 1.0
     """CFG scale of rollouts, training and eval (1: no CFG, as upstream)"""
     sampler: Literal["sa_solver", "flow_sde", "ode"] = "sa_solver"
-    """rollout solver: SA-Solver (upstream's), Flow-GRPO's SDE (sde.py) or Euler ODE"""
+    """rollouts: SA-Solver (upstream's), Flow-GRPO's SDE (sde.py) or Euler ODE"""
     noise_level: float = 0.4
     """SA-Solver's tau (0: ODE); flow_sde: sde.py's noise level a"""
     tau_window: tuple[float, float] = (0.3, 0.9)
@@ -138,7 +149,7 @@ class Args:
     train_timesteps: int = 6
     """K: timesteps per micro-batch, one per stratum, shared by its samples"""
     time_type: Literal["discrete_wo_init", "discrete"] = "discrete_wo_init"
-    """strata from grid index 1 (never sigma = 1) or 0 (see stratified_timestep_indices)"""
+    """strata from grid index 1 (never sigma = 1) or 0 (stratified_timestep_indices)"""
     timestep_fraction: float = 0.9
     """train on this fraction of the grid (its least noisy steps are left out)"""
     adv_clip: float = 5.0
@@ -146,74 +157,59 @@ class Args:
     kl_beta: float = 0.003
     """weight of the KL to the base model (the LoRA switched off)"""
     anchor_beta: float = 1.0
-    """weight of the KL to the anchor, a trailing copy of the LoRA (upstream `ema_beta`)"""
+    """weight of the KL to the anchor, a trailing LoRA copy (upstream's `ema_beta`)"""
     eval_every: int = 20
     """evaluate every N epochs (and after the last; GenEval, PickScore: 50)"""
     save_every: int = 20
     """checkpoint every N epochs (and after the last; GenEval, PickScore: 50)"""
 
-# The joint-attention projections of every MMDiT block, as upstream
-LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
-                "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]
-STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other values of these
+# TRY NOT TO MODIFY: the LoRA's layers (upstream's), what --resume must match, ranges
+LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj",
+                "attn.to_add_out", "attn.to_k", "attn.to_out.0", "attn.to_q",
+                "attn.to_v"]
+STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other values
+RANGES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: x >= 2,
+          "> 0": lambda x: x > 0, "in [0, 1)": lambda x: 0 <= x < 1,
+          "in (0, 1]": lambda x: 0 < x <= 1, "in [0, 1]": lambda x: 0 <= x <= 1}
+# The range of every number flag (of this script's own: ALGO_LIMITS)
+LIMITS = {"seed": ">= 0", "lora_rank": ">= 1", "lora_alpha": "> 0",
+          "resolution": ">= 1", "eval_num_steps": ">= 1", "group_size": ">= 2",
+          "eval_batch_size": ">= 1", "epochs": ">= 1", "learning_rate": ">= 0",
+          "weight_decay": ">= 0", "max_grad_norm": "> 0", "eval_sheet_size": ">= 1",
+          "max_sequence_length": ">= 1", "num_steps": ">= 1",
+          "guidance_scale": ">= 0", "prompts_per_epoch": ">= 1",
+          "batch_size": ">= 1", "adv_clip": "> 0", "kl_beta": ">= 0",
+          "ema_decay": "in [0, 1)", "eval_every": ">= 1", "save_every": ">= 1"}
 
-# ALGO LOGIC: the AWM log-prob and loss, the training timesteps, the SA-Solver rollout
-def awm_log_prob(v, x0, noise, t, power=0.25):
-    """AWM's log-likelihood proxy (B,), float64: -(t / p)((l + eps)^p - eps^p), l the flow-
-    matching error of v at x_t = (1 - t) x0 + t noise. Its gradient -t (l + eps)^(p - 1)
-    damps the samples the model fits worst; eps = 1e-10 keeps it finite at l = 0."""
-    target = noise.double() - x0.double()  # the velocity from x0 to the noise
-    error = ((v.double() - target) ** 2).flatten(1).mean(1)  # l: (B,)
-    t = torch.as_tensor(t, dtype=torch.float64, device=error.device)
-    return -(t / power * ((error + 1e-10) ** power - 1e-10**power))
-
-def awm_loss(log_prob, advantages, v, v_base, v_anchor, accum_steps, adv_clip, kl_beta,
-             anchor_beta):
-    """One micro-batch's loss to backward, and its policy, KL and anchor KL terms. log_prob
-    (awm_log_prob's), advantages: (N,), N = K timesteps x B samples; v, v_base, v_anchor:
-    (N, C, h, w), the LoRA's, base model's and anchor's velocity (None: no such term).
-    - advantages clipped to +-adv_clip, so outliers cannot dominate, and scaled to [-1, 1];
-    - -A ratio, ratio = exp(logp - logp.detach()) = 1 with logp's gradient: flow matching
-      towards good samples, away from bad ones (on-policy: upstream's PPO clip never acts);
-    - kl_beta * mean((v - v_base)^2) keeps the LoRA near the base model, and anchor_beta *
-      mean((v - v_anchor)^2) near a trailing copy of itself; the loss / accum_steps."""
-    advantages = advantages.double().clamp(-adv_clip, adv_clip) / adv_clip
-    ratio = torch.exp(log_prob - log_prob.detach())
-    policy_loss = (-advantages * ratio).mean()
-    kl = ((v - v_base) ** 2).mean() if v_base is not None else v.new_zeros(())
-    anchor_kl = ((v - v_anchor) ** 2).mean() if v_anchor is not None else v.new_zeros(())
-    loss = policy_loss.float() + kl_beta * kl + anchor_beta * anchor_kl
-    return loss / accum_steps, policy_loss, kl, anchor_kl
-
-def stratified_timestep_indices(num_train_steps, count, time_type, generator):
-    """`count` grid indices, one uniform draw from each stratum [b_i, b_i+1), b =
-    floor(linspace(low, num_train_steps, count + 1)); low: 1 for 'discrete_wo_init' (never
-    sigma = 1), 0 for 'discrete'. An empty stratum yields its lower end."""
-    low = 0 if time_type == "discrete" else 1
-    bounds = torch.linspace(low, num_train_steps, count + 1).long()
-    uniform = torch.rand(count, generator=generator, device=generator.device).cpu()
-    return bounds[:-1] + (uniform * (bounds[1:] - bounds[:-1])).long()
+# ALGO LOGIC: the ranges of this algorithm's flags, the samplers and the loss
+ALGO_LIMITS = {"noise_level": ">= 0", "tau_window": ">= 0",
+               "train_batch_size": ">= 1", "train_timesteps": ">= 1",
+               "timestep_fraction": "in (0, 1]", "anchor_beta": ">= 0"}
 
 @torch.no_grad()
-def sa_solver_rollout(transformer, scheduler, noise, sigmas, tau, tau_window, embeds,
-                      pooled, neg_embeds, neg_pooled, guidance_scale, autocast, generator):
-    """SA-Solver (arXiv:2309.05019) from noise to the sample, fp32. diffusers' own grid never
-    reaches sigma = 0, upstream's does: SD3's `sigmas` less the 0, from 1 - 1e-3, the last
+def sa_solver_sample(velocity, scheduler, noise, sigmas, tau, tau_window,
+                     generator) -> torch.Tensor:
+    """SA-Solver (arXiv:2309.05019) from noise to the sample, fp32, with
+    velocity(x, sigma) -> v. Steps into a sigma inside tau_window have
+    noise tau, the others none. diffusers' own grid never reaches sigma 0,
+    upstream's does: SD3's `sigmas` less the 0, from 1 - 1e-3, the last
     point halved; the last call's x - sigma v is the sample."""
     grid = sigmas[:-1].clone()  # (T,)
-    grid[0], grid[-1] = 1 - 1e-3, grid[-2] / 2
+    grid[-1] = grid[-2] / 2  # first: at T = 2, grid[-2] is grid[0]
+    grid[0] = 1 - 1e-3
     scheduler.set_timesteps(len(grid))  # resets the multistep history
     scheduler.sigmas = torch.cat([grid, grid[-1:]]).cpu()
     scheduler.timesteps = (1000 * grid).cpu()
-    step_tau = {}  # diffusers asks by source timestep; upstream decides by target
-    for timestep, sigma_next in zip(scheduler.timesteps.tolist(), grid[1:].tolist()):
-        step_tau[timestep] = tau if tau_window[0] <= sigma_next <= tau_window[1] else 0.0
+    # diffusers asks for tau by source timestep; upstream decides by target.
+    step_tau = {}
+    low, high = tau_window
+    targets = grid[1:].tolist()
+    for timestep, sigma_next in zip(scheduler.timesteps.tolist(), targets):
+        step_tau[timestep] = tau if low <= sigma_next <= high else 0.0
     scheduler.tau_func = lambda timestep: step_tau[float(timestep)]
     x = noise.float()
     for i, sigma in enumerate(grid.tolist()):
-        with autocast:
-            v = predict_velocity(transformer, x, sigma, embeds, pooled, neg_embeds, neg_pooled,
-                                 guidance_scale)
+        v = velocity(x, sigma)
         if i == len(grid) - 1:
             return x - sigma * v
         if i == 1:  # as upstream, no corrector on the second point
@@ -221,43 +217,107 @@ def sa_solver_rollout(transformer, scheduler, noise, sigmas, tau, tau_window, em
         x = scheduler.step(v, scheduler.timesteps[i], x, generator=generator,
                            return_dict=False)[0].float()
 
+@torch.no_grad()
+def sde_sample(velocity, noise, sigmas, kind, noise_level,
+               generator) -> torch.Tensor:
+    """sde.py's step `kind` ('flow': Flow-GRPO's SDE; 'ode': Euler) at every
+    step from sigma 1 to 0: the sample, fp32. velocity(x, sigma) -> v."""
+    x = noise.float()
+    for i in range(len(sigmas) - 1):
+        v = velocity(x, sigmas[i])
+        x, _, _, _ = sde_step(v, x, sigmas[i], sigmas[i + 1], kind, noise_level,
+                              generator=generator, second_sigma=sigmas[1])
+    return x
+
+def stratified_timestep_indices(num_train_steps, count, time_type, generator):
+    """`count` grid indices, a uniform draw from each stratum [b_i, b_i+1),
+    b = floor(linspace(low, num_train_steps, count + 1)); low: 1 for
+    'discrete_wo_init' (never sigma = 1), 0 for 'discrete'. An empty
+    stratum yields its lower end."""
+    low = 0 if time_type == "discrete" else 1
+    bounds = torch.linspace(low, num_train_steps, count + 1).long()
+    uniform = torch.rand(count, generator=generator, device=generator.device)
+    uniform = uniform.cpu()
+    return bounds[:-1] + (uniform * (bounds[1:] - bounds[:-1])).long()
+
+def awm_log_prob(v, x0, noise, t, power=0.25):
+    """AWM's log-likelihood proxy (B,), float64: -(t / p)((l + eps)^p -
+    eps^p), l the flow-matching error of v at x_t = (1 - t) x0 + t noise.
+    Its gradient -t (l + eps)^(p - 1) damps the samples the model fits
+    worst; eps = 1e-10 keeps it finite at l = 0."""
+    target = noise.double() - x0.double()  # the velocity from x0 to noise
+    error = ((v.double() - target) ** 2).flatten(1).mean(1)  # l: (B,)
+    t = torch.as_tensor(t, dtype=torch.float64, device=error.device)
+    return -(t / power * ((error + 1e-10) ** power - 1e-10**power))
+
+def awm_loss(*, log_prob, advantages, v, v_base, v_anchor, adv_clip,
+             kl_beta, anchor_beta, accum_steps):
+    """A micro-batch's loss: (loss to backward, {statistic: float}).
+
+    (N,), N = K timesteps x B samples: log_prob (awm_log_prob's),
+    advantages. (N, C, h, w): v, v_base, v_anchor, the velocities of the
+    LoRA, the base model and the anchor (None: no such term).
+    - A = clip(advantages, +-adv_clip) / adv_clip, in [-1, 1]: no outlier
+      dominates;
+    - -A ratio, ratio = exp(logp - logp.detach()) = 1 with logp's gradient:
+      flow matching towards good samples, away from bad ones (on-policy:
+      upstream's PPO clip never acts);
+    - kl_beta mean((v - v_base)^2) keeps the LoRA near the base model, and
+      anchor_beta mean((v - v_anchor)^2) near a trailing copy of itself;
+    - / accum_steps: the optimizer step sums the micro-batches' gradients."""
+    advantages = advantages.double().clamp(-adv_clip, adv_clip) / adv_clip
+    ratio = torch.exp(log_prob - log_prob.detach())
+    policy_loss = (-advantages * ratio).mean()
+    kl = v.new_zeros(())
+    if v_base is not None:
+        kl = ((v - v_base) ** 2).mean()
+    anchor_kl = v.new_zeros(())
+    if v_anchor is not None:
+        anchor_kl = ((v - v_anchor) ** 2).mean()
+    loss = policy_loss.float() + kl_beta * kl + anchor_beta * anchor_kl
+    stats = {"policy_loss": policy_loss.item(), "kl": kl.item(),
+             "anchor_kl": anchor_kl.item()}
+    return loss / accum_steps, stats
+
 # TRY NOT TO MODIFY: helpers shared verbatim by the SD3.5 scripts
+class Text(NamedTuple):
+    """Encoded prompts: T5 + CLIP tokens (B, L, 4096), pooled CLIP (B, 2048)."""
+    embeds: torch.Tensor
+    pooled: torch.Tensor
+
+    def rows(self, index) -> "Text":
+        return Text(self.embeds[index], self.pooled[index])
+
 def fail(message: str):
     raise SystemExit(f"error: {message}")
 
+def check_ranges(args):
+    """Every number flag is finite and inside its range in LIMITS or ALGO_LIMITS."""
+    for field in fields(args):
+        value = getattr(args, field.name)
+        allowed = (LIMITS | ALGO_LIMITS).get(field.name)
+        flag = "--" + field.name.replace("_", "-")
+        for number in value if isinstance(value, tuple) else [value]:
+            if isinstance(number, float) and not math.isfinite(number):
+                fail(f"{flag} must be a finite number, got {number}")
+            if allowed and number is not None and not RANGES[allowed](number):
+                fail(f"{flag} must be {allowed}, got {value}")
+
 def check_args(args) -> dict | None:
     """Checks that need no weights; returns the checkpoint's state when resuming."""
-    for name in ["epochs", "batch_size", "eval_batch_size", "train_batch_size", "updates_per_epoch",
-                 "eval_every", "save_every", "group_size", "prompts_per_epoch", "num_steps",
-                 "eval_num_steps", "lora_rank", "num_train_timesteps", "ema_every",
-                 "max_sequence_length", "eval_sheet_size", "window_shift_every"]:
-        value = getattr(args, name, 1)  # not every script has every size
-        if value is not None and value < 1:
-            fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    for name, value in vars(args).items():
-        if isinstance(value, float) and not math.isfinite(value):
-            fail(f"--{name.replace('_', '-')} must be a finite number, got {value}")
-    ranges = {">= 0": lambda value: value >= 0, "> 0": lambda value: value > 0,
-              "in [0, 1)": lambda value: 0 <= value < 1, "in (0, 1]": lambda value: 0 < value <= 1}
-    limits = {"learning_rate": ">= 0", "weight_decay": ">= 0", "max_grad_norm": "> 0",
-              "kl_beta": ">= 0", "clip_range": ">= 0", "adv_clip": "> 0", "noise_level": ">= 0",
-              "ema_decay": "in [0, 1)", "timestep_fraction": "in (0, 1]"}
-    for name, allowed in limits.items():
-        value = getattr(args, name, 0.5)  # not every script has every value
-        if not ranges[allowed](value):
-            fail(f"--{name.replace('_', '-')} must be {allowed}, got {value}")
+    check_ranges(args)
     if args.mixed_precision == "fp16" and not torch.cuda.is_available():
         fail("--mixed-precision fp16 needs a GPU (on CPU: bf16 or no)")
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         fail(f"--output-dir {args.output_dir!r} is a file")
     try:  # the config files give the resolution's factor before the weights load
         vae = AutoencoderKL.load_config(args.model, subfolder="vae")
-        transformer = SD3Transformer2DModel.load_config(args.model, subfolder="transformer")
+        dit = SD3Transformer2DModel.load_config(args.model, subfolder="transformer")
     except Exception as error:
-        fail(f"model {args.model!r}: no local pipeline directory, and the hub could not be "
-             f"read ({type(error).__name__}; offline? gated: accept the licence, hf auth login)")
-    factor = 2 ** (len(vae["block_out_channels"]) - 1) * transformer.get("patch_size", 1)
-    if args.resolution < 1 or args.resolution % factor:
+        fail(f"model {args.model!r}: no local pipeline directory, no hub answer "
+             f"({type(error).__name__}; offline? gated: hf auth login)")
+    factor = 2 ** (len(vae["block_out_channels"]) - 1) * dit.get("patch_size", 1)
+    if args.resolution % factor:
         fail(f"--resolution {args.resolution} is not a positive multiple of {factor} "
              "(VAE downsampling x patch size)")
     if args.track and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
@@ -272,25 +332,26 @@ def check_args(args) -> dict | None:
     if not args.resume:
         return None
     path = os.path.join(args.resume, "state.pt")
-    if os.path.basename(os.path.abspath(args.resume)).startswith(".") or not os.path.isfile(path):
-        fail(f"--resume {args.resume!r} is not a checkpoint directory "
-             "(no state.pt; hidden ones are unfinished saves)")
+    hidden = os.path.basename(os.path.abspath(args.resume)).startswith(".")
+    if hidden or not os.path.isfile(path):
+        fail(f"--resume {args.resume!r} is not a checkpoint directory (no state.pt, or "
+             "hidden: an unfinished save)")
     state = torch.load(path, map_location="cpu")
-    if state.get("script") != os.path.basename(__file__):  # e.g. a CRD run's, in GRPO
-        fail(f"--resume {args.resume!r} is not a checkpoint of {os.path.basename(__file__)}")
-    for flag in STATE_FLAGS:
-        if state["args"][flag] != getattr(args, flag):
-            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)!r} differs from the "
-                 f"checkpoint's {state['args'][flag]!r}")
+    script = os.path.basename(__file__)
+    if state.get("script") != script:  # e.g. a CRD run's, in GRPO
+        fail(f"--resume {args.resume!r} is not a checkpoint of {script}")
+    for name in STATE_FLAGS:
+        if state["args"][name] != getattr(args, name):
+            fail(f"--{name.replace('_', '-')} {getattr(args, name)!r} differs from the "
+                 f"checkpoint's {state['args'][name]!r}")
     if not args.eval_only and state["next_epoch"] >= args.epochs:
-        fail(f"--epochs {args.epochs} is not past the checkpoint's {state['next_epoch']} "
-             "epochs: nothing to train")
+        fail(f"--epochs {args.epochs} is not past the checkpoint's {state['next_epoch']}")
     return state
 
 def load_prompts(path: str) -> tuple[list[str], list[dict]]:
-    """One prompt per line, or JSONL with a `prompt` field; returns prompts and metadata."""
+    """A prompt per line, or JSONL with a `prompt`: the prompts, their metadata."""
     if not os.path.isfile(path):
-        fail(f"prompt file {path!r} does not exist (README.md, Prompt sets: how to fetch them)")
+        fail(f"prompt file {path!r} does not exist (docs/usage.md: prompt sets)")
     with open(path, encoding="utf-8") as file:
         lines = [line.strip() for line in file if line.strip()]
     if not lines:
@@ -300,8 +361,8 @@ def load_prompts(path: str) -> tuple[list[str], list[dict]]:
     try:
         rows = [json.loads(line) for line in lines]
         return [row["prompt"] for row in rows], rows
-    except (ValueError, TypeError, KeyError) as error:  # not JSON, not an object, no prompt
-        fail(f"every line of {path!r} must be a JSON object with a 'prompt' field ({error!r})")
+    except (ValueError, TypeError, KeyError) as error:
+        fail(f"every line of {path!r} must be a JSON object with a 'prompt' ({error!r})")
 
 def all_gather_cat(tensor: torch.Tensor, world: int) -> torch.Tensor:
     """Concatenate an equally shaped tensor from every rank, in rank order."""
@@ -312,57 +373,44 @@ def all_gather_cat(tensor: torch.Tensor, world: int) -> torch.Tensor:
     return torch.cat(gathered)
 
 def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
-    """Seeded from (seed, epoch, rank, ...): reproducible on resume, with no state to save."""
+    """Seeded from (seed, epoch, rank, ...): resumes exactly, no state saved."""
     seed = np.random.SeedSequence(list(keys)).generate_state(1)[0]
     return torch.Generator(device).manual_seed(int(seed))
 
 @torch.no_grad()
-def encode(pipe, prompts: list[str], device, max_sequence_length: int):
-    """Text embeddings (B, L, 4096) and pooled ones (B, 2048): CLIP-L, CLIP-G and T5."""
+def encode(pipe, prompts: list[str], device, max_sequence_length: int) -> Text:
     embeds, _, pooled, _ = pipe.encode_prompt(
         prompts, None, None, device=device, do_classifier_free_guidance=False,
         max_sequence_length=max_sequence_length)
-    return embeds, pooled
+    return Text(embeds, pooled)
 
-def predict_velocity(transformer, x, sigma, embeds, pooled, neg_embeds, neg_pooled,
-                     guidance_scale: float):
-    """CFG velocity u + g (c - u) at sigma (a float or (B,)), one forward on [uncond; cond]."""
+def predict_velocity(transformer, x, sigma, text: Text, negative: Text,
+                     guidance_scale: float) -> torch.Tensor:
+    """CFG's velocity u + g (c - u) at sigma (a float or (B,)), one forward."""
     cfg = guidance_scale != 1.0
     timestep = 1000 * torch.as_tensor(sigma, device=x.device, dtype=torch.float32)
     timestep = timestep.expand(x.shape[0])
+    embeds, pooled = text
     if cfg:
-        x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
-        embeds = torch.cat([neg_embeds.expand_as(embeds), embeds])
-        pooled = torch.cat([neg_pooled.expand_as(pooled), pooled])
+        x = torch.cat([x, x])
+        timestep = torch.cat([timestep, timestep])
+        embeds = torch.cat([negative.embeds.expand_as(embeds), embeds])
+        pooled = torch.cat([negative.pooled.expand_as(pooled), pooled])
     v = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds,
                     pooled_projections=pooled, return_dict=False)[0].float()
-    v_uncond = v_cond = v
-    if cfg:
-        v_uncond, v_cond = v.chunk(2)
+    if not cfg:
+        return v
+    v_uncond, v_cond = v.chunk(2)
     return v_uncond + guidance_scale * (v_cond - v_uncond)
 
 @torch.no_grad()
-def rollout(transformer, noise, sigmas, kind, noise_level, embeds, pooled, neg_embeds,
-            neg_pooled, guidance_scale, autocast, generator, window=None):
-    """Sample sigma 1 -> 0: sde.py's step `kind` on the steps window[0] <= i < window[1] (None:
-    all), the Euler ODE elsewhere. Returns the window's latents (B, K+1, C, h, w), log-probs
-    (B, K) and step means (B, K, C, h, w), and the sample (B, C, h, w), all fp32."""
-    start, end = window or (0, len(sigmas) - 1)
-    x, latents, log_probs, means = noise.float(), [], [], []
+def ode_sample(velocity, noise, sigmas) -> torch.Tensor:
+    """Euler ODE along sigmas: eval's sampler in every script, so evals compare."""
+    x = noise.float()
     for i in range(len(sigmas) - 1):
-        with autocast:
-            v = predict_velocity(transformer, x, sigmas[i], embeds, pooled, neg_embeds,
-                                 neg_pooled, guidance_scale)
-        if i == start:
-            latents.append(x)
-        step_kind = kind if start <= i < end else "ode"
-        x, log_prob, mean, _ = sde_step(v, x, sigmas[i], sigmas[i + 1], step_kind, noise_level,
-                                        generator=generator, second_sigma=sigmas[1])
-        if start <= i < end:
-            latents.append(x)
-            log_probs.append(log_prob)
-            means.append(mean)
-    return torch.stack(latents, 1), torch.stack(log_probs, 1), torch.stack(means, 1), x
+        v = velocity(x, sigmas[i])
+        x = sde_step(v, x, sigmas[i], sigmas[i + 1], "ode", 0.0)[0]
+    return x
 
 @torch.no_grad()
 def decode(vae, latents) -> torch.Tensor:
@@ -370,13 +418,14 @@ def decode(vae, latents) -> torch.Tensor:
     latents = latents.float() / vae.config.scaling_factor + vae.config.shift_factor
     return (vae.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
 
-def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where, run_dir):
-    """Average the gradients over ranks (one flat all-reduce), unscale, clip, check, step;
-    returns the gradient norm before the clip."""
+def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where,
+                   run_dir):
+    """All-reduce, unscale, clip, check and step; the gradient norm before the clip."""
     if world > 1:
         flat = torch.nn.utils.parameters_to_vector(p.grad for p in params)
         dist.all_reduce(flat)
-        torch.nn.utils.vector_to_parameters(flat / world, [p.grad for p in params])
+        grads = [p.grad for p in params]
+        torch.nn.utils.vector_to_parameters(flat / world, grads)
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     if not scaler.is_enabled():  # fp16's scaler skips non-finite steps itself
@@ -386,11 +435,10 @@ def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where,
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
 
-def save_checkpoint(path, transformer, lora_params, ema_params, snapshots, optimizer,
-                    next_epoch, global_step, args):
-    """Atomic: written to a hidden temporary directory (which --resume refuses and `epoch_*`
-    never matches), then renamed. `lora/`, `ema_lora/`: diffusers LoRAs with their peft
-    config; state.pt resumes (`extra`: the algorithm's snapshots)."""
+def save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
+                    optimizer, next_epoch, global_step, args):
+    """Atomic: a hidden temporary directory (--resume refuses it), then renamed.
+    `lora/`, `ema_lora/`: diffusers LoRAs; state.pt resumes (`extra`: snapshots)."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     config = transformer.peft_config["default"].to_dict()
@@ -401,9 +449,10 @@ def save_checkpoint(path, transformer, lora_params, ema_params, snapshots, optim
                 transformer_lora_adapter_metadata=config)
     extra = {name: [p.cpu() for p in copies] for name, copies in snapshots.items()}
     torch.save({"lora": [p.detach().cpu() for p in lora_params],
-                "ema": [p.cpu() for p in ema_params], "optimizer": optimizer.state_dict(),
-                "next_epoch": next_epoch, "global_step": global_step, "args": asdict(args),
-                "extra": extra, "script": os.path.basename(__file__)}, f"{tmp}/state.pt")
+                "ema": [p.cpu() for p in ema_params],
+                "optimizer": optimizer.state_dict(), "next_epoch": next_epoch,
+                "global_step": global_step, "args": asdict(args), "extra": extra,
+                "script": os.path.basename(__file__)}, f"{tmp}/state.pt")
     shutil.rmtree(path, ignore_errors=True)
     os.rename(tmp, path)
 
@@ -420,7 +469,7 @@ def swapped(params, copies):
 
 @contextmanager
 def adapters_disabled(transformer):
-    """The base model: the same transformer, LoRA switched off (never a second copy)."""
+    """The base model: the same transformer, its LoRA switched off."""
     transformer.disable_adapters()
     try:
         yield
@@ -428,48 +477,53 @@ def adapters_disabled(transformer):
         transformer.enable_adapters()
 
 def prepare_run_dir(run_dir: str, start_epoch: int):
-    """Create the run directory, dropping a crashed save and the metrics of redone epochs."""
+    """Make the run directory; drop a crashed save and redone epochs' metrics."""
     for tmp in glob.glob(os.path.join(run_dir, "checkpoints", ".*")):
         shutil.rmtree(tmp)
     path = os.path.join(run_dir, "metrics.jsonl")
     lines = open(path).readlines() if os.path.exists(path) else []
     os.makedirs(run_dir, exist_ok=True)
     with open(path, "w") as file:
-        file.writelines(line for line in lines if json.loads(line)["epoch"] < start_epoch)
+        file.writelines(x for x in lines if json.loads(x)["epoch"] < start_epoch)
 
 def rank_mean(values: dict[str, float], world: int, device) -> dict[str, float]:
-    """Each value's mean over ranks (logged statistics are the run's, not rank 0's)."""
+    """Each value's mean over ranks: the run's statistics, not rank 0's."""
     local = torch.tensor([list(values.values())], dtype=torch.float64, device=device)
     return dict(zip(values, all_gather_cat(local, world).mean(0).tolist()))
 
 def clock(device) -> float:
-    """Seconds (monotonic), read once the GPU has run its queued work: phase timings."""
+    """Seconds, once the GPU has run its queued work (phase timings)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
 def check_finite(where: str, run_dir: str, **values):
-    """Stop with one line naming the first non-finite value and the last checkpoint."""
+    """Stop with a line naming the first non-finite value and the last checkpoint."""
     for name, value in values.items():
         if not torch.isfinite(torch.as_tensor(value)).all():
-            saved = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
-            last = saved[-1] if saved else "none saved yet"
+            saves = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
+            last = saves[-1] if saves else "none saved yet"
             fail(f"non-finite {name} at {where}; stopping. Last checkpoint: {last}")
 
 if __name__ == "__main__":
-    # TRY NOT TO MODIFY: input checks, rewards, run directory, all before the model loads
-    args = tyro.cli(Args)
-    train_prompts, train_meta = ([], []) if args.eval_only else load_prompts(args.train_prompts)
+    # TRY NOT TO MODIFY: input checks, rewards, run directory, before the model loads
+    args = tyro.cli(Args, description=__doc__.split("\n\n")[0])
+    train_prompts, train_meta = [], []  # --eval-only trains on none
+    if not args.eval_only:
+        train_prompts, train_meta = load_prompts(args.train_prompts)
     test_prompts, test_meta = load_prompts(args.test_prompts)
     state = check_args(args)
-    rank, world, device = 0, 1, torch.device("cpu")
+    rank = 0
+    world = 1
+    device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     if "RANK" in os.environ:  # set by torchrun
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
-    quiet = rank != 0 or not sys.stderr.isatty()  # progress bars only on rank 0's terminal
+        rank = dist.get_rank()
+        world = dist.get_world_size()
+    quiet = rank != 0 or not sys.stderr.isatty()  # bars on rank 0's terminal
     if quiet:  # the model-loading bars too
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
@@ -484,9 +538,8 @@ if __name__ == "__main__":
         fail(str(error))
     images_per_epoch = args.prompts_per_epoch * args.group_size
     if images_per_epoch % (world * args.batch_size):
-        fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split into "
-             f"{world} GPUs x batch-size {args.batch_size}; change --prompts-per-epoch, "
-             "--group-size or --batch-size")
+        fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split "
+             f"into {world} GPUs x --batch-size {args.batch_size}")
     local_images = images_per_epoch // world  # sampled by this rank per epoch
     num_batches = local_images // args.batch_size
     run_name = [f"{args.exp_name}__{args.seed}__{int(time.time())}"]
@@ -495,19 +548,19 @@ if __name__ == "__main__":
     run_dir = os.path.join(args.output_dir, run_name[0])
     parent = os.path.dirname(os.path.abspath(args.resume or "."))
     if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
-        run_dir = os.path.dirname(parent)  # a resumed run continues in its own directory
+        run_dir = os.path.dirname(parent)  # a resumed run goes on in its directory
 
-    # ALGO LOGIC: from images to optimizer steps. The defaults on 8 GPUs: 72 prompts x 24
-    # images = 1728, 216 per GPU, sampled in 36 batches of 6, trained in 72 micro-batches of
-    # 3 samples x K = 6 timesteps (18 wide), summed into one optimizer step (accum_steps 72).
+    # ALGO LOGIC: from images to optimizer steps. The defaults on 8 GPUs: 72 prompts x
+    # 24 images = 1728, 216 per GPU, sampled in 36 batches of 6, trained in 72 micro-
+    # batches (accum_steps) of 3 samples x K = 6 timesteps: 1 optimizer step an epoch.
     if local_images % args.train_batch_size:
         fail(f"{local_images} images per GPU per epoch do not split into "
              f"--train-batch-size {args.train_batch_size}")
     accum_steps = local_images // args.train_batch_size  # micro-batches per epoch
     num_train_steps = int(args.num_steps * args.timestep_fraction)
-    if num_train_steps < 2 or args.train_timesteps < 1:
-        fail(f"--num-steps {args.num_steps} x --timestep-fraction {args.timestep_fraction} "
-             "leaves no training grid points below sigma = 1, or --train-timesteps < 1")
+    if num_train_steps < 2:
+        fail(f"--num-steps {args.num_steps} x --timestep-fraction "
+             f"{args.timestep_fraction} leaves no training grid points below sigma = 1")
     if rank == 0 and not args.eval_only:
         devices = "GPU(s)" if device.type == "cuda" else "process(es)"
         print(f"{world} {devices} x {num_batches} rollout batches x {args.batch_size} = "
@@ -516,7 +569,7 @@ if __name__ == "__main__":
               f"{args.train_batch_size} samples x {args.train_timesteps} timesteps; "
               f"run dir {run_dir}")
 
-    # TRY NOT TO MODIFY: the model: frozen base in bf16/fp16, fp32 LoRA, alike on all ranks
+    # TRY NOT TO MODIFY: the model: frozen base in bf16/fp16, LoRA in fp32
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
     dtype = dtypes[args.mixed_precision]
     pipe = StableDiffusion3Pipeline.from_pretrained(
@@ -525,41 +578,49 @@ if __name__ == "__main__":
     for module in pipe.components.values():
         if isinstance(module, torch.nn.Module):
             module.requires_grad_(False)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # the LoRA's init, the same on every rank
     transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
-                                       init_lora_weights="gaussian", target_modules=LORA_TARGETS))
+                                       init_lora_weights="gaussian",
+                                       target_modules=LORA_TARGETS))
     lora_params = [p for p in transformer.parameters() if p.requires_grad]
     for p in lora_params:
         p.data = p.data.float()
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    if args.compile:  # regional: the repeated blocks, each in place (benchmarks/RESULTS.md)
-        # graphs per block kind: rollout, training, the LoRA off, eval's batch sizes
+    if args.compile:  # regional: each block on its own
         torch._dynamo.config.recompile_limit = 64
         for block in transformer.transformer_blocks:
             block.compile(dynamic=False)
     optimizer = torch.optim.AdamW(lora_params, lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.mixed_precision == "fp16")
+    fp16 = args.mixed_precision == "fp16"
+    scaler = torch.amp.GradScaler(device.type, enabled=fp16)
     ema_params = [p.detach().clone() for p in lora_params]
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     latent_size = args.resolution // pipe.vae_scale_factor
     latent_shape = (transformer.config.in_channels, latent_size, latent_size)
-    neg = encode(pipe, [""], device, args.max_sequence_length)  # the CFG prompt, once
+    negative = encode(pipe, [""], device, args.max_sequence_length)  # CFG's, once
 
-    # ALGO LOGIC: the sigma grids, eval's CFG scale, the anchor LoRA, the SA-Solver
+    def velocity(x, sigma, text: Text, guidance_scale=args.guidance_scale):
+        """The transformer's velocity at (x, sigma) for `text`, with CFG."""
+        with autocast:
+            return predict_velocity(transformer, x, sigma, text, negative,
+                                    guidance_scale)
+
+    # ALGO LOGIC: the sigma grids, the anchor LoRA, the SA-Solver
     pipe.scheduler.set_timesteps(args.num_steps, device=device)
     sigmas = pipe.scheduler.sigmas.float()  # (T+1,) 1 to 0: rollouts, training
     pipe.scheduler.set_timesteps(args.eval_num_steps, device=device)
     eval_sigmas = pipe.scheduler.sigmas.float()
-    eval_guidance_scale = args.guidance_scale
+    # The anchor: a trailing copy of the LoRA, which anchor_beta's KL keeps it near.
     anchor_params = [p.detach().clone() for p in lora_params]
-    snapshots = {"anchor": anchor_params}  # saved in state.pt, restored on resume
+    snapshots = {"anchor": anchor_params}
     solver = SASolverScheduler(use_flow_sigmas=True, prediction_type="flow_prediction",
                                predictor_order=2, corrector_order=2)
 
     # TRY NOT TO MODIFY: resume, logging, eval
-    start_epoch, global_step = 0, 0
+    start_epoch = 0
+    global_step = 0
     if state is not None:
         for p, saved in zip(lora_params + ema_params, state["lora"] + state["ema"]):
             p.data.copy_(saved)
@@ -567,135 +628,159 @@ if __name__ == "__main__":
             for p, saved in zip(copies, state["extra"][name]):
                 p.data.copy_(saved)
         optimizer.load_state_dict(state["optimizer"])
-        start_epoch, global_step = state["next_epoch"], state["global_step"]
-    if rank == 0:  # created only now: a run that fails earlier leaves no directory behind
+        start_epoch = state["next_epoch"]
+        global_step = state["global_step"]
+    if rank == 0:  # a run that fails earlier leaves no directory behind
         prepare_run_dir(run_dir, start_epoch)
     if args.track and rank == 0:
         import wandb
         wandb.init(project=args.wandb_project, entity=args.wandb_entity,
-                   name=os.path.basename(run_dir), config=vars(args), save_code=True, dir=run_dir)
+                   name=os.path.basename(run_dir), config=vars(args), save_code=True,
+                   dir=run_dir)
 
     def log(metrics: dict, epoch: int):
-        if rank == 0:
-            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as file:
-                file.write(json.dumps({"epoch": epoch, **metrics}) + "\n")
-            if args.track:  # the eval sheets as images, at the step of their epoch's line
-                wandb.log({name: wandb.Image(os.path.join(run_dir, value)) if name.endswith("sheet")
-                           else value for name, value in metrics.items()}, step=epoch)
+        if rank != 0:
+            return
+        with open(os.path.join(run_dir, "metrics.jsonl"), "a") as file:
+            file.write(json.dumps({"epoch": epoch, **metrics}) + "\n")
+        if args.track:  # the eval sheets as images
+            sheets = {name: wandb.Image(os.path.join(run_dir, value))
+                      for name, value in metrics.items() if name.endswith("sheet")}
+            wandb.log(metrics | sheets, step=epoch)
 
     @torch.no_grad()
     def run_eval(epoch: int, prefix: str = "eval/") -> dict:
-        """ODE-sample the test prompts with the EMA weights and score them: prompt i on rank
-        i % world, from noise seed i (the same images on any GPU count)."""
-        scores, sheet, thumbs, by_prompt = [], {}, {}, {}
-        for i, text in enumerate(test_prompts):  # the indices of each distinct test prompt
+        """Score the EMA's ODE samples of the test prompts: prompt i on rank i % world,
+        from noise seed i (the same on any GPU count)."""
+        by_prompt = {}  # test prompt -> its indices
+        for i, text in enumerate(test_prompts):
             by_prompt.setdefault(text, []).append(i)
-        cols = math.ceil(math.sqrt(args.eval_sheet_size))  # a row: a prompt's first samples
-        sheet_ids = [i for ids in by_prompt.values() for i in ids[:cols]][: args.eval_sheet_size]
-        transformer.eval()  # as in sampling: a compiled block's graph depends on the mode
+        cols = math.ceil(math.sqrt(args.eval_sheet_size))  # a row per prompt
+        sheet_ids = [i for ids in by_prompt.values() for i in ids[:cols]]
+        sheet_ids = sheet_ids[: args.eval_sheet_size]
+        transformer.eval()  # as in sampling: compiled graphs depend on the mode
+        scores = []
+        sheet = {}
+        thumbs = {}
         my_prompts = list(range(rank, len(test_prompts), world))
         for start in range(0, len(my_prompts), args.eval_batch_size):
             ids = my_prompts[start : start + args.eval_batch_size]
             prompts = [test_prompts[i] for i in ids]
-            noise = torch.stack([torch.randn(latent_shape, device=device,
-                                             generator=seeded_generator(device, args.seed, i))
-                                 for i in ids])
-            embeds, pooled = encode(pipe, prompts, device, args.max_sequence_length)
-            with swapped(lora_params, ema_params):  # with --ema-decay 0 the EMA is the LoRA
-                _, _, _, final = rollout(transformer, noise, eval_sigmas, "ode", 0.0, embeds,
-                                         pooled, *neg, eval_guidance_scale, autocast, None)
+            noise = torch.stack([
+                torch.randn(latent_shape, device=device,
+                            generator=seeded_generator(device, args.seed, i))
+                for i in ids])
+            text = encode(pipe, prompts, device, args.max_sequence_length)
+            with swapped(lora_params, ema_params):  # with EMA 0: the LoRA
+                final = ode_sample(partial(velocity, text=text), noise, eval_sigmas)
             images = decode(pipe.vae, final)
-            batch_scores, info = eval_reward_fn(images.cpu(), prompts, [test_meta[i] for i in ids])
+            meta = [test_meta[i] for i in ids]
+            batch_scores, info = eval_reward_fn(images.cpu(), prompts, meta)
             columns = {"reward_mean": batch_scores, **info}
-            scores += [{name: float(values[j]) for name, values in columns.items()}
-                       for j in range(len(ids))]
-            pixels = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+            for j in range(len(ids)):
+                scores.append({name: float(values[j]) for name, values in columns.items()})
+            pixels = images.permute(0, 2, 3, 1).cpu().numpy() * 255
+            pixels = pixels.round().astype(np.uint8)
             sheet.update({i: image for i, image in zip(ids, pixels) if i in sheet_ids})
-            small = torch.nn.functional.interpolate(images, size=32, mode="area").flatten(1)
-            thumbs.update(zip(ids, small.cpu()))  # (3 * 32 * 32,) thumbnails
+            small = torch.nn.functional.interpolate(images, size=32, mode="area")
+            thumbs.update(zip(ids, small.flatten(1).cpu()))
         if world > 1:
             gathered = [None] * world
             dist.all_gather_object(gathered, (scores, sheet, thumbs))
-            scores = [score for rank_scores, _, _ in gathered for score in rank_scores]
-            sheet = {i: image for _, rank_sheet, _ in gathered for i, image in rank_sheet.items()}
-            thumbs = {i: small for *_, part in gathered for i, small in part.items()}
-        means = {name: float(np.mean([score[name] for score in scores])) for name in scores[0]}
+            scores = [score for part, _, _ in gathered for score in part]
+            sheet = {i: image for _, part, _ in gathered for i, image in part.items()}
+            thumbs = {i: small for _, _, part in gathered for i, small in part.items()}
+        means = {name: float(np.mean([row[name] for row in scores]))
+                 for name in scores[0]}
         groups = [torch.stack([thumbs[i] for i in ids]) for ids in by_prompt.values()]
         distances = [torch.pdist(group).mean() / group.shape[1] ** 0.5
                      for group in groups if len(group) > 1]
-        if distances:  # diversity: RMS pixel distance of two samples of one test prompt
+        if distances:  # RMS pixel distance of two samples of one prompt
             means["diversity"] = float(torch.stack(distances).mean())
-        if rank == 0:  # a contact sheet: rows of cols cells, black cells end the last row
+        if rank == 0:  # the contact sheet: black cells end the last row
             cells = [sheet[i] for i in sheet_ids]
             cells += [np.zeros_like(cells[0])] * (-len(cells) % cols)
-            rows = [np.concatenate(cells[i : i + cols], axis=1) for i in range(0, len(cells), cols)]
+            rows = [np.concatenate(cells[i : i + cols], axis=1)
+                    for i in range(0, len(cells), cols)]
             path = os.path.join(run_dir, f"eval_{epoch:05d}.png")
             Image.fromarray(np.concatenate(rows, axis=0)).save(path)
-            reward_name = args.eval_reward or args.reward
-            print(f"eval after {epoch} epochs: {reward_name} = {means['reward_mean']:.4f}")
+            name = args.eval_reward or args.reward
+            print(f"eval after {epoch} epochs: {name} = {means['reward_mean']:.4f}")
             means["sheet"] = os.path.basename(path)  # in the run directory
         return {prefix + name: value for name, value in means.items()}
 
     if args.eval_only:
         log(run_eval(start_epoch), start_epoch)
-    executor = ThreadPoolExecutor(max_workers=1)  # scores batch i while batch i+1 is sampled
+    executor = ThreadPoolExecutor(max_workers=1)  # scores while sampling goes on
     for epoch in range(start_epoch, 0 if args.eval_only else args.epochs):
         epoch_start = clock(device)
         metrics = run_eval(epoch) if epoch % args.eval_every == 0 else {}
         text_start = clock(device)
-        # the same prompts on every rank, distinct ones if there are enough
+        # The same prompts on every rank: distinct ones, if the file has enough.
         prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
-        num_prompts, per_epoch = len(train_prompts), args.prompts_per_epoch
-        if num_prompts >= per_epoch:
-            chosen = torch.randperm(num_prompts, generator=prompt_gen)[:per_epoch]
+        num_prompts = len(train_prompts)
+        if num_prompts >= args.prompts_per_epoch:
+            chosen = torch.randperm(num_prompts, generator=prompt_gen)
+            chosen = chosen[: args.prompts_per_epoch]
         else:
-            chosen = torch.randint(num_prompts, (per_epoch,), generator=prompt_gen)
-        # each prompt encoded once: row g is group g's, (P, L, 4096) and (P, 2048)
-        prompt_embeds, prompt_pooled = encode(pipe, [train_prompts[i] for i in chosen], device,
-                                              args.max_sequence_length)
+            chosen = torch.randint(num_prompts, (args.prompts_per_epoch,),
+                                   generator=prompt_gen)
+        epoch_prompts = [train_prompts[i] for i in chosen]  # group g's is row g
+        epoch_meta = [train_meta[i] for i in chosen]
+        epoch_text = encode(pipe, epoch_prompts, device, args.max_sequence_length)
         sampling_start = clock(device)
 
-        # ALGO LOGIC: sampling. AWM trains on the clean samples alone: any solver will do
-        group_ids = torch.arange(args.prompts_per_epoch).repeat_interleave(args.group_size)
-        group_ids = group_ids[torch.randperm(images_per_epoch, generator=prompt_gen)]  # (P*G,)
+        # ALGO LOGIC: sampling. The epoch's images, shuffled alike on every rank: each
+        # rank samples its share, and a group (a prompt's images) spans ranks. AWM
+        # trains on the clean samples alone: any solver will do.
+        group_ids = torch.arange(args.prompts_per_epoch)
+        group_ids = group_ids.repeat_interleave(args.group_size)
+        group_ids = group_ids[torch.randperm(images_per_epoch, generator=prompt_gen)]
         my_groups = group_ids.view(world, num_batches, args.batch_size)[rank]
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
         transformer.eval()
-        futures, rollouts = [], []
-        for batch_groups in tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet, leave=False):
-            prompts = [train_prompts[chosen[group]] for group in batch_groups]
-            meta = [train_meta[chosen[group]] for group in batch_groups]
-            batch_text = (prompt_embeds[batch_groups], prompt_pooled[batch_groups])
+        batch_samples = []  # the clean latents (B, C, h, w) of each rollout batch
+        futures = []  # their rewards
+        for groups in tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet,
+                           leave=False):
+            text = epoch_text.rows(groups)
             noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen,
                                 device=device)
-            cond = (*batch_text, *neg, args.guidance_scale, autocast, noise_gen)
             if args.sampler == "sa_solver":
-                sample = sa_solver_rollout(transformer, solver, noise, sigmas, args.noise_level,
-                                           args.tau_window, *cond)
+                sample = sa_solver_sample(partial(velocity, text=text), solver, noise,
+                                          sigmas, args.noise_level, args.tau_window,
+                                          noise_gen)
             else:
                 kind = "flow" if args.sampler == "flow_sde" else "ode"
-                sample = rollout(transformer, noise, sigmas, kind, args.noise_level, *cond)[3]
+                sample = sde_sample(partial(velocity, text=text), noise, sigmas, kind,
+                                    args.noise_level, noise_gen)
             images = decode(pipe.vae, sample).cpu()
+            prompts = [epoch_prompts[group] for group in groups]
+            meta = [epoch_meta[group] for group in groups]
             futures.append(executor.submit(reward_fn, images, prompts, meta))
-            rollouts.append((*batch_text, sample))
-        # the text embeddings (N, L, D), pooled ones (N, D') and samples (N, C, h, w)
-        embeds, pooled, samples = [torch.cat(parts) for parts in zip(*rollouts)]
+            batch_samples.append(sample)
+        samples = torch.cat(batch_samples)  # (N, C, h, w): this rank's
+        my_text = epoch_text.rows(my_groups.flatten())  # their prompts'
 
         # TRY NOT TO MODIFY: all ranks' rewards, in rank order, and the advantages
         reward_start = clock(device)
-        scores, infos = zip(*[future.result() for future in futures])  # per micro-batch
-        info = {name: torch.cat([batch[name] for batch in infos]) for name in infos[0]}
-        all_rewards = all_gather_cat(torch.cat(scores).float().to(device), world).cpu()  # (P*G,)
+        scores, infos = zip(*[future.result() for future in futures])
+        info = {name: torch.cat([part[name] for part in infos]) for name in infos[0]}
+        all_rewards = torch.cat(scores).float().to(device)
+        all_rewards = all_gather_cat(all_rewards, world).cpu()  # (P*G,)
         all_components = {name: all_gather_cat(info[name].to(device), world).cpu()
                           for name in reward_fn.weights}
-        extras = rank_mean({f"reward/{name}": values.mean().item()  # e.g. pickscore_raw
-                            for name, values in info.items() if name not in reward_fn.weights},
-                           world, device)
-        if reward_fn.group_transform is not None:  # groupwise rewards need whole groups
-            all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
+        extras = {f"reward/{name}": values.mean().item()  # e.g. pickscore_raw
+                  for name, values in info.items() if name not in reward_fn.weights}
+        extras = rank_mean(extras, world, device)
+        if reward_fn.group_transform is not None:  # e.g. ranks within each group
+            all_rewards, all_components = reward_fn.group_transform(all_components,
+                                                                    group_ids)
         advantages = compute_advantages(all_rewards, all_components, reward_fn.weights,
-                                        group_ids, args.advantage_aggregation, args.per_group_std)
-        check_finite(f"epoch {epoch}", run_dir, reward=all_rewards, advantage=advantages)
+                                        group_ids, args.advantage_aggregation,
+                                        args.per_group_std)
+        check_finite(f"epoch {epoch}", run_dir, reward=all_rewards,
+                     advantage=advantages)
         group_std = torch.stack([all_rewards[group_ids == group].std(unbiased=False)
                                  for group in range(args.prompts_per_epoch)])
         training_start = clock(device)
@@ -704,60 +789,71 @@ if __name__ == "__main__":
         # timesteps, with fresh noise, and adds the gradient of awm_loss.
         my_advantages = advantages.to(device).view(world, local_images)[rank]
         transformer.train()
-        train_gen = seeded_generator(device, args.seed, epoch, rank, 1)  # timesteps, noise
-        stats = {"policy_loss": [], "kl": [], "anchor_kl": [], "fm_loss": []}
+        train_gen = seeded_generator(device, args.seed, epoch, rank, 1)  # sigmas, noise
+        stats = defaultdict(list)  # a value per micro-batch
         micro_batches = torch.arange(local_images).split(args.train_batch_size)
-        for micro in tqdm(micro_batches, f"epoch {epoch} training", disable=quiet, leave=False):
-            step_ids = stratified_timestep_indices(num_train_steps, args.train_timesteps,
-                                                   args.time_type, train_gen)
+        for sample_ids in tqdm(micro_batches, f"epoch {epoch} training",
+                               disable=quiet, leave=False):
+            step_ids = stratified_timestep_indices(
+                num_train_steps, args.train_timesteps, args.time_type, train_gen)
             # (K*B,) timestep-major: K blocks of the B samples, one timestep each
-            rows = micro.repeat(args.train_timesteps)
-            t = sigmas[step_ids.to(device)].repeat_interleave(len(micro))
+            rows = sample_ids.repeat(args.train_timesteps)
+            sigma = sigmas[step_ids.to(device)].repeat_interleave(len(sample_ids))
             x0 = samples[rows]  # (K*B, C, h, w)
             noise = torch.randn(x0.shape, generator=train_gen, device=device)
-            x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * noise
-            cond = (embeds[rows], pooled[rows], *neg, args.guidance_scale)
-            v_base, v_anchor = None, None
+            x_t = (1 - sigma.view(-1, 1, 1, 1)) * x0 + sigma.view(-1, 1, 1, 1) * noise
+            text = my_text.rows(rows)
+            v_base = None  # the base model's, for the KL
             if args.kl_beta > 0:
-                with torch.no_grad(), autocast, adapters_disabled(transformer):
-                    v_base = predict_velocity(transformer, x_t, t, *cond)
+                with torch.no_grad(), adapters_disabled(transformer):
+                    v_base = velocity(x_t, sigma, text)
+            v_anchor = None  # the anchor's
             if args.anchor_beta > 0:
-                with torch.no_grad(), autocast, swapped(lora_params, anchor_params):
-                    v_anchor = predict_velocity(transformer, x_t, t, *cond)
-            with autocast:
-                v = predict_velocity(transformer, x_t, t, *cond)  # (K*B, C, h, w)
-            log_prob = awm_log_prob(v, x0, noise, t)  # ghuber p 0.25: all upstream configs
-            loss, policy_loss, kl, anchor_kl = awm_loss(
-                log_prob, my_advantages[rows], v, v_base, v_anchor, accum_steps, args.adv_clip,
-                args.kl_beta, args.anchor_beta)
+                with torch.no_grad(), swapped(lora_params, anchor_params):
+                    v_anchor = velocity(x_t, sigma, text)
+            v = velocity(x_t, sigma, text)  # (K*B, C, h, w)
+            # ghuber weighting, power 0.25: upstream's
+            log_prob = awm_log_prob(v, x0, noise, sigma)
+            loss, step_stats = awm_loss(
+                log_prob=log_prob, advantages=my_advantages[rows], v=v, v_base=v_base,
+                v_anchor=v_anchor, adv_clip=args.adv_clip, kl_beta=args.kl_beta,
+                anchor_beta=args.anchor_beta, accum_steps=accum_steps)
             scaler.scale(loss).backward()
+            for name, value in step_stats.items():
+                stats[name].append(value)
             fm_loss = ((v.detach() - (noise - x0)) ** 2).mean()  # unweighted, for the log
-            for name, value in zip(stats, [policy_loss, kl, anchor_kl, fm_loss]):
-                stats[name].append(value.item())
-        grad_norm = optimizer_step(optimizer, scaler, lora_params, args.max_grad_norm, world,
-                                   loss, f"epoch {epoch}, step {global_step}", run_dir)
+            stats["fm_loss"].append(fm_loss.item())
+        grad_norm = optimizer_step(
+            optimizer, scaler, lora_params, args.max_grad_norm, world, loss,
+            f"epoch {epoch}, step {global_step}", run_dir)
         global_step += 1
-        decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))  # upstream's warm-up
-        anchor_decay = min(0.3, 0.001 * global_step)  # upstream's 'linear', capped at 0.3
+        # The EMA: upstream's, with its warm-up. The anchor: upstream's 'linear'
+        # decay, up by 0.001 a step to at most 0.3 (from step 300), so the anchor
+        # stays near the weights each update starts from: anchor_kl is a trust
+        # region (upstream: "mimic TRPO").
+        decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))
+        anchor_decay = min(0.3, 0.001 * global_step)
         for ema, anchor, p in zip(ema_params, anchor_params, lora_params):
             ema.mul_(decay).add_(p.detach(), alpha=1 - decay)
             anchor.mul_(anchor_decay).add_(p.detach(), alpha=1 - anchor_decay)
 
         # ALGO LOGIC: this algorithm's metrics and its part of the summary line
-        losses = {f"losses/{name}": float(np.mean(values)) for name, values in stats.items()}
+        losses = {f"losses/{name}": float(np.mean(values))
+                  for name, values in stats.items()}
         metrics.update(rank_mean(losses, world, device))
         metrics["charts/anchor_decay"] = anchor_decay
         metrics["charts/x0_norm"] = (samples**2).mean().item()  # rank 0's samples
         summary = (f"policy {metrics['losses/policy_loss']:.3e} "
-                   f"kl {metrics['losses/kl']:.3e} anchor {metrics['losses/anchor_kl']:.3e} "
+                   f"kl {metrics['losses/kl']:.3e} "
+                   f"anchor {metrics['losses/anchor_kl']:.3e} "
                    f"| fm {metrics['losses/fm_loss']:.3e}")
 
         # TRY NOT TO MODIFY: shared metrics, final eval, the summary line, checkpoints
         epoch_end = clock(device)
         epoch_seconds = epoch_end - epoch_start
-        eval_seconds = text_start - epoch_start
         compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux: KiB
+        # Peak memory: the process's (Linux reports KiB), or the GPU's.
+        max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
         if device.type == "cuda":
             max_mem_gb = torch.cuda.max_memory_allocated(device) / 1e9
         metrics.update({
@@ -765,13 +861,14 @@ if __name__ == "__main__":
             "reward/mean": all_rewards.mean().item(),
             "reward/std": all_rewards.std(unbiased=False).item(),
             "reward/zero_std_group_frac": (group_std == 0).float().mean().item(),
-            **{f"reward/{name}": values.mean().item() for name, values in all_components.items()},
+            **{f"reward/{name}": part.mean().item()
+               for name, part in all_components.items()},
             **extras,
             "charts/global_step": global_step,
             "charts/learning_rate": args.learning_rate,
             "perf/images_per_sec": images_per_epoch / (reward_start - sampling_start),
             "perf/epoch_seconds": epoch_seconds,
-            "perf/eval_seconds": eval_seconds,
+            "perf/eval_seconds": text_start - epoch_start,
             "perf/text_encoding_seconds": sampling_start - text_start,
             "perf/sampling_seconds": reward_start - sampling_start,
             "perf/reward_seconds": training_start - reward_start,
@@ -781,11 +878,12 @@ if __name__ == "__main__":
         if rank == 0:
             line = (f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± "
                     f"{metrics['reward/std']:.4f} | {summary} | "
-                    f"{metrics['perf/images_per_sec']:.2f} img/s | {epoch_seconds:.0f}s")
+                    f"{metrics['perf/images_per_sec']:.2f} img/s | "
+                    f"{epoch_seconds:.0f}s")
             if "eval/reward_mean" in metrics:
                 line += f" | eval {metrics['eval/reward_mean']:.4f}"
             print(line)
-        if epoch + 1 == args.epochs:  # logged with the last epoch, printed after its line
+        if epoch + 1 == args.epochs:  # logged with the last epoch, printed after it
             metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
         log(metrics, epoch)
         if (epoch + 1) % args.save_every == 0 or epoch + 1 == args.epochs:

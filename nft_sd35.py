@@ -1,22 +1,21 @@
 """DiffusionNFT on Stable Diffusion 3.5 Medium: RL on the forward (noising) process.
 
 Paper: DiffusionNFT, https://arxiv.org/abs/2509.16117
+Docs: docs/nft.md (recipes, metrics, the toy-world demo).
 
-Rollouts keep only the clean sample (no log-probs, no CFG: any ODE solver); training re-noises
-it and pulls the velocity towards an implicit positive policy on good samples and away from a
-negative one on bad ones (nft_loss).
+Rollouts keep only the clean sample (no log-probs, no CFG: any ODE solver will do);
+training re-noises it and pulls the velocity towards an implicit positive policy on
+good samples and away from a negative one on bad ones (nft_loss).
 
-The defaults are the paper's OCR run (upstream config/nft.py::sd3_ocr), rescaled to any GPU
-count; GenEval, PickScore, HPS: `--beta 1.0 --decay-type 1 --updates-per-epoch 1 --reward ...`.
+The defaults are the paper's OCR run (upstream config/nft.py::sd3_ocr), on any number
+of GPUs; GenEval, PickScore, HPS: `--beta 1.0 --decay-type 1 --updates-per-epoch 1`.
     torchrun --nproc_per_node 8 nft_sd35.py --train-prompts ocr/train.txt \
         --test-prompts ocr/test.txt
 
-CPU demo on the toy world (a few minutes): README.md, "Running a script".
-
 Provenance: NVlabs/DiffusionNFT@24af555 unless named.
+    dpm_sample            flow_grpo/diffusers_patch/solver.py, run_sampling ('dpm2')
     nft_loss              scripts/train_nft_sd3.py, the training loop
     old_decay             scripts/train_nft_sd3.py, return_decay
-    dpm_sample            flow_grpo/diffusers_patch/solver.py, run_sampling ('dpm2')
     the prompt draw       scripts/train_nft_sd3.py, DistributedKRepeatSampler
     the EMA               flow_grpo/ema.py, EMAModuleWrapper (once per optimizer step)
 """
@@ -29,10 +28,12 @@ import resource
 import shutil
 import sys
 import time
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
-from typing import Literal
+from dataclasses import asdict, dataclass, fields
+from functools import partial
+from typing import Literal, NamedTuple
 
 import numpy as np
 import diffusers
@@ -49,15 +50,24 @@ from tqdm import tqdm
 import rewards
 from sde import compute_advantages, sde_step
 
+# ALGO LOGIC: what a researcher changes. TRY NOT TO MODIFY: plumbing, copied
+# verbatim into every SD3.5 script; it reads six names that ALGO LOGIC sets:
+#   snapshots    {name: LoRA copies} the algorithm keeps (saved in checkpoints)
+#   eval_sigmas  the sigma grid of eval's ODE sampler
+#   group_ids    (P*G,) the group (prompt) of each of the epoch's images
+#   futures      this rank's micro-batches' rewards, as futures
+#   grad_norm    the gradient norm of the last optimizer step
+#   summary      the algorithm's part of the epoch's line on stdout
+
 @dataclass
 class Args:
     # Experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of the experiment (wandb group, run-directory prefix)"""
     seed: int = 42
-    """seed of the LoRA init and prompt draws; noise is seeded per (seed, epoch, rank)"""
+    """seed of the LoRA init, prompt draws and noise (per epoch and rank)"""
     track: bool = False
-    """log to Weights & Biases (stdout and metrics.jsonl are always written)"""
+    """log to Weights & Biases (metrics.jsonl is always written)"""
     wandb_project: str = "flowrl"
     """wandb project"""
     wandb_entity: str | None = None
@@ -65,7 +75,7 @@ class Args:
     output_dir: str = "runs"
     """runs go to OUTPUT_DIR/RUN_NAME (metrics, eval sheets, checkpoints)"""
     resume: str | None = None
-    """checkpoint directory to continue from; `latest`: this exp-name and seed's newest, if any"""
+    """checkpoint to continue from; `latest`: this exp-name and seed's newest"""
     eval_only: bool = False
     """only evaluate the EMA weights of --resume (or the base model), then exit"""
     # Model
@@ -76,24 +86,24 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass (less memory, ~30% slower)"""
     compile: bool = torch.cuda.is_available()
-    """torch.compile each transformer block (~2x faster on a GPU; default: on with CUDA)"""
+    """torch.compile each transformer block (~2x faster on a GPU; on with CUDA)"""
     lora_rank: int = 32
     """LoRA rank on the 8 joint-attention projections of every block"""
     lora_alpha: int = 64
     """LoRA alpha (scale = alpha / rank)"""
     # Data and reward
     train_prompts: str = "prompts/train.txt"
-    """one prompt per line (blank lines skipped), or JSONL: `prompt`, the rest to the reward"""
+    """a prompt per line, or JSONL: `prompt` and fields for the reward"""
     test_prompts: str = "prompts/test.txt"
     """eval prompts, same format"""
     reward: str = "ocr"
-    """a rewards.py name, a weighted list `ocr=1.0,pickscore=0.5`, or `file.py:function`"""
+    """a rewards.py name, a sum `ocr=1.0,pickscore=0.5`, or `file.py:function`"""
     eval_reward: str | None = None
     """reward of eval (None: the training reward)"""
     advantage_aggregation: Literal["sum", "gdpo"] = "sum"
-    """several rewards: normalise their weighted sum, or each one, then sum (GDPO)"""
+    """several rewards: normalise their weighted sum, or each, then sum (GDPO)"""
     per_group_std: bool = False
-    """divide advantages by their group's std, not the epoch's (upstream: the epoch's)"""
+    """divide advantages by their group's std, not the epoch's (upstream's)"""
     # Sampling
     resolution: int = 512
     """image height and width in pixels"""
@@ -101,7 +111,7 @@ class Args:
     """Euler ODE steps of eval"""
     # Batch sizes (global ones do not depend on the GPU count)
     group_size: int = 24
-    """images per prompt (a group: its mean reward is the advantage baseline)"""
+    """images per prompt (a group: its mean reward is the baseline)"""
     eval_batch_size: int = 8
     """per-GPU eval batch"""
     epochs: int = 1000
@@ -115,12 +125,12 @@ class Args:
     """gradient-norm clip"""
     # Logging, eval, checkpoints
     eval_sheet_size: int = 16
-    """eval images in the contact sheet: a row per distinct test prompt, as many as fit"""
+    """eval images in the contact sheet: a row per distinct test prompt"""
     # Algorithm-specific arguments (defaults: the paper's OCR run)
     max_sequence_length: int = 128
     """T5 tokens per prompt"""
     num_steps: int = 10
-    """DPM-Solver++ steps per rollout, on SD3's grid (whose sigmas but the final 0 are trained)"""
+    """DPM-Solver++ steps per rollout, on SD3's grid (all its sigmas but 0 train)"""
     guidance_scale: float = 1.0
     """CFG scale of rollouts, training and eval (NFT is CFG-free: 1)"""
     prompts_per_epoch: int = 48
@@ -128,17 +138,17 @@ class Args:
     batch_size: int = 9
     """per-GPU micro-batch of rollout and training"""
     updates_per_epoch: int = 2
-    """optimizer steps per epoch (upstream: 2 for OCR, 1 for GenEval, PickScore, HPS)"""
+    """optimizer steps per epoch (upstream: 2 for OCR, 1 for the others)"""
     timestep_fraction: float = 0.99
-    """train each sample at a random int(num_steps * fraction) of the grid's timesteps"""
+    """train each sample at int(num_steps * fraction) random sigmas of the grid"""
     beta: float = 0.1
-    """how far the implicit policies step from the old one (see nft_loss; OCR 0.1, others 1)"""
+    """the implicit policies' step from the old one (nft_loss; OCR 0.1, others 1)"""
     adv_clip: float = 5.0
-    """advantages are clipped to +-adv_clip, then mapped to r in [0, 1] (see nft_loss)"""
+    """advantages are clipped to +-adv_clip, then mapped to r in [0, 1] (nft_loss)"""
     kl_beta: float = 1e-4
     """weight of the KL to the base model, mean((v - v_base)^2) (see nft_loss)"""
     decay_type: Literal[0, 1, 2] = 2
-    """the old policy's decay eta(step) (see old_decay): 0 = 0 (on-policy); 1 = min(0.001 step,
+    """the old policy's decay eta(step) (old_decay): 0 = 0 (on-policy); 1 = min(0.001 step,
     0.5); 2 (OCR) = 0 before step 75, then min(0.0075 (step - 75), 0.999)"""
     ema_decay: float = 0.9
     """EMA decay of the LoRA used for eval and the saved `ema_lora` (0: off)"""
@@ -147,112 +157,155 @@ class Args:
     save_every: int = 30
     """checkpoint every N epochs (and after the last)"""
 
-# The joint-attention projections of every MMDiT block, as upstream
-LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
-                "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]
-STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other values of these
+# TRY NOT TO MODIFY: the LoRA's layers (upstream's), what --resume must match, ranges
+LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj",
+                "attn.to_add_out", "attn.to_k", "attn.to_out.0", "attn.to_q",
+                "attn.to_v"]
+STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other values
+RANGES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: x >= 2,
+          "> 0": lambda x: x > 0, "in [0, 1)": lambda x: 0 <= x < 1,
+          "in (0, 1]": lambda x: 0 < x <= 1, "in [0, 1]": lambda x: 0 <= x <= 1}
+# The range of every number flag (of this script's own: ALGO_LIMITS)
+LIMITS = {"seed": ">= 0", "lora_rank": ">= 1", "lora_alpha": "> 0",
+          "resolution": ">= 1", "eval_num_steps": ">= 1", "group_size": ">= 2",
+          "eval_batch_size": ">= 1", "epochs": ">= 1", "learning_rate": ">= 0",
+          "weight_decay": ">= 0", "max_grad_norm": "> 0", "eval_sheet_size": ">= 1",
+          "max_sequence_length": ">= 1", "num_steps": ">= 1",
+          "guidance_scale": ">= 0", "prompts_per_epoch": ">= 1",
+          "batch_size": ">= 1", "adv_clip": "> 0", "kl_beta": ">= 0",
+          "ema_decay": "in [0, 1)", "eval_every": ">= 1", "save_every": ">= 1"}
 
-# ALGO LOGIC: the NFT loss, the old policy's decay, the deterministic rollout sampler
-def nft_loss(v, v_old, v_ref, x0, xt, t, advantages, beta, adv_clip, kl_beta, accum_steps):
-    """One micro-step's loss; returns (loss to backward, policy loss, KL).
+# ALGO LOGIC: the ranges of this algorithm's flags, the sampler and the loss
+ALGO_LIMITS = {"updates_per_epoch": ">= 1", "timestep_fraction": "in (0, 1]",
+               "beta": "> 0"}
 
-    v, v_old, v_ref: (B, ...) fp32 velocities of the policy, the old (rollout) policy and the
-    base model (None: no KL) at xt = (1 - t) x0 + t noise; t, advantages: (B,). The factors:
-    - implicit policies v+ = beta v + (1 - beta) v_old, v- = (1 + beta) v_old - beta v: fitting
-      v+ to good samples and v- to bad ones moves v towards the good, away from the bad;
-    - adaptive weighting: l+- = mean(e^2) / sg(mean |e|) per sample, with e = xt - t v+- - x0
-      (fp64; sg: detached, >= 1e-5): a loss like |e|, so no timestep or outlier dominates;
-    - r = clip(A, +-adv_clip) / (2 adv_clip) + 1/2, the probability in [0, 1] that a sample
-      is good, weighs the branches: r l+ + (1 - r) l-;
-    - x adv_clip / beta: where v == v_old (an epoch's start while eta is 0) the gradient is
-      clip(A, +-adv_clip) times that of the weighted flow-matching loss, whatever beta;
-    - + kl_beta * mean((v - v_ref)^2), upstream's KL to the base model, to stay near it;
-    - / accum_steps: an optimizer step adds up accum_steps micro-steps' gradients."""
+@torch.no_grad()
+def dpm_sample(velocity, noise, sigmas) -> torch.Tensor:
+    """Deterministic DPM-Solver++ in data prediction: first-order (DDIM)
+    steps out of sigmas[0] and into sigmas[-1], second-order multistep
+    between. velocity(x, sigma) -> v; noise: (B, C, h, w); sigmas: (T+1,)
+    from 1 to 0. Returns the latents (B, T+1, C, h, w), fp32. s: the sigmas
+    in fp64, as all coefficients; lam: the log-SNR log((1 - s) / s), -inf at
+    sigma 1 (so that the second step is first order too, as upstream's); h:
+    its increment."""
+    s = sigmas.double()
+    lam = torch.log(1 - s) - torch.log(s)
+    x = noise.float()
+    latents = [x]
+    x0_prev = None  # the previous step's data prediction
+    for i in range(len(s) - 1):
+        x0 = x - s[i] * velocity(x, sigmas[i]).float()  # the data prediction
+        if i == 0 or i == len(s) - 2:  # DDIM: x0 and its implied noise, at s[i+1]
+            x = ((1 - s[i + 1]) * x0
+                 + s[i + 1] * (x - (1 - s[i]) * x0) / s[i]).float()
+        else:  # second order: x0 extrapolated along the log-SNR
+            h = lam[i + 1] - lam[i]
+            x0_extrapolated = x0 + (x0 - x0_prev) * h / (2 * (lam[i] - lam[i - 1]))
+            x = (s[i + 1] / s[i] * x
+                 - (1 - s[i + 1]) * torch.expm1(-h) * x0_extrapolated).float()
+        x0_prev = x0
+        latents.append(x)
+    return torch.stack(latents, dim=1)
+
+def nft_loss(*, v, v_old, v_ref, x0, xt, t, advantages, beta, adv_clip, kl_beta,
+             accum_steps):
+    """A micro-step's loss: (loss to backward, {statistic: float}).
+
+    v, v_old, v_ref: (B, C, h, w) fp32 velocities of the policy, the old
+    (rollout) policy and the base model (None: no KL) at
+    xt = (1 - t) x0 + t noise; t, advantages: (B,). The terms:
+    - implicit policies v+ = beta v + (1 - beta) v_old and
+      v- = (1 + beta) v_old - beta v: fitting v+ to good samples and v- to
+      bad ones moves v towards the good, away from the bad;
+    - adaptive weighting: per sample l+- = mean(e^2) / sg(mean |e|), with
+      e = xt - t v+- - x0 (fp64; sg: detached, >= 1e-5): a loss like |e|,
+      so that no timestep or outlier dominates;
+    - r = clip(A, +-adv_clip) / (2 adv_clip) + 1/2, the probability in
+      [0, 1] that a sample is good, weighs the branches: r l+ + (1 - r) l-;
+    - x adv_clip / beta: where v == v_old (an epoch's start while eta is 0)
+      the gradient is clip(A, +-adv_clip) times that of the weighted
+      flow-matching loss, whatever beta is;
+    - + kl_beta mean((v - v_ref)^2), upstream's KL to the base model;
+    - / accum_steps: an optimizer step sums its micro-steps' gradients."""
     dims = tuple(range(1, v.dim()))
-    t = t.view([-1] + [1] * (v.dim() - 1))  # (B, 1, ...)
+    t = t.view([-1] + [1] * (v.dim() - 1))  # (B, 1, 1, 1)
 
     def normalised_error(v_branch):  # (B,)
         error = xt - t * v_branch - x0
-        scale = error.detach().double().abs().mean(dim=dims, keepdim=True).clamp_min(1e-5)
+        scale = error.detach().double().abs().mean(dim=dims, keepdim=True)
+        scale = scale.clamp_min(1e-5)
         return (error.double() ** 2 / scale).mean(dim=dims)
 
     positive = normalised_error(beta * v + (1 - beta) * v_old)
     negative = normalised_error((1 + beta) * v_old - beta * v)
     r = advantages.double().clamp(-adv_clip, adv_clip) / (2 * adv_clip) + 0.5
-    policy_loss = (adv_clip * (r * positive + (1 - r) * negative) / beta).mean().float()
+    branches = r * positive + (1 - r) * negative
+    policy_loss = (adv_clip * branches / beta).mean().float()
     kl = torch.zeros((), device=v.device)
     if v_ref is not None:
         kl = ((v - v_ref) ** 2).mean(dim=dims).mean()
-    return (policy_loss + kl_beta * kl) / accum_steps, policy_loss, kl
+    stats = {"policy_loss": policy_loss.item(), "kl": kl.item()}
+    # How far the policy has moved from the old one: 0 while they are equal.
+    stats["old_deviate"] = ((v.detach() - v_old) ** 2).mean().item()
+    return (policy_loss + kl_beta * kl) / accum_steps, stats
 
 def old_decay(step: int, decay_type: int) -> float:
-    """eta of the update old <- eta old + (1 - eta) current after `step` optimizer steps: 0 is
-    on-policy, learns fast, then collapses; a growing eta is stabler (the paper's Fig. 8)."""
+    """eta of the old policy's update old <- eta old + (1 - eta) current,
+    after `step` optimizer steps. Upstream's return_decay: 0 for a flat
+    number of steps, then up by a rate per step, to a cap. eta 0 (on-policy)
+    learns fast, then collapses; a growing eta is stabler (the paper's
+    Fig. 8)."""
     if decay_type == 0:
         return 0.0
-    if decay_type == 1:
+    if decay_type == 1:  # up from 0 by 0.001 a step, capped at 0.5 from step 500
         return min(0.001 * step, 0.5)
-    return 0.0 if step < 75 else min(0.0075 * (step - 75), 0.999)
-
-@torch.no_grad()
-def dpm_sample(velocity, noise, sigmas) -> torch.Tensor:
-    """Deterministic DPM-Solver++ in data prediction: first-order (DDIM) steps out of
-    sigmas[0] and into sigmas[-1], second-order multistep between. velocity(x, sigma) -> v;
-    noise: (B, C, h, w); sigmas: (T+1,) from 1 to 0. Returns the latents (B, T+1, C, h, w),
-    fp32. s: the sigmas in fp64, as all coefficients; lam: the log-SNR log((1 - s) / s), -inf
-    at sigma 1 (so the second step is first order too, as upstream's); h: its increment."""
-    s = sigmas.double()
-    lam = torch.log(1 - s) - torch.log(s)
-    x, latents, x0_prev = noise.float(), [noise.float()], None
-    for i in range(len(s) - 1):
-        x0 = x - s[i] * velocity(x, sigmas[i]).float()  # the data prediction
-        if i == 0 or i == len(s) - 2:  # DDIM: x0 plus its implied noise, rescaled to s[i+1]
-            x = ((1 - s[i + 1]) * x0 + s[i + 1] * (x - (1 - s[i]) * x0) / s[i]).float()
-        else:
-            h = lam[i + 1] - lam[i]
-            d = x0 + (x0 - x0_prev) * h / (2 * (lam[i] - lam[i - 1]))  # second order
-            x = (s[i + 1] / s[i] * x - (1 - s[i + 1]) * torch.expm1(-h) * d).float()
-        x0_prev = x0
-        latents.append(x)
-    return torch.stack(latents, dim=1)
+    # OCR's: on-policy for the fast first 75 steps (about 37 epochs at 2
+    # updates each), then up by 0.0075 a step to 0.999 from step 209 on: from
+    # there the old policy is a slow EMA of the current one, which keeps the
+    # long run stable.
+    if step < 75:
+        return 0.0
+    return min(0.0075 * (step - 75), 0.999)
 
 # TRY NOT TO MODIFY: helpers shared verbatim by the SD3.5 scripts
+class Text(NamedTuple):
+    """Encoded prompts: T5 + CLIP tokens (B, L, 4096), pooled CLIP (B, 2048)."""
+    embeds: torch.Tensor
+    pooled: torch.Tensor
+
+    def rows(self, index) -> "Text":
+        return Text(self.embeds[index], self.pooled[index])
+
 def fail(message: str):
     raise SystemExit(f"error: {message}")
 
+def check_ranges(args):
+    """Every number flag is finite and inside its range in LIMITS or ALGO_LIMITS."""
+    for field in fields(args):
+        value = getattr(args, field.name)
+        allowed = (LIMITS | ALGO_LIMITS).get(field.name)
+        flag = "--" + field.name.replace("_", "-")
+        for number in value if isinstance(value, tuple) else [value]:
+            if isinstance(number, float) and not math.isfinite(number):
+                fail(f"{flag} must be a finite number, got {number}")
+            if allowed and number is not None and not RANGES[allowed](number):
+                fail(f"{flag} must be {allowed}, got {value}")
+
 def check_args(args) -> dict | None:
     """Checks that need no weights; returns the checkpoint's state when resuming."""
-    for name in ["epochs", "batch_size", "eval_batch_size", "train_batch_size", "updates_per_epoch",
-                 "eval_every", "save_every", "group_size", "prompts_per_epoch", "num_steps",
-                 "eval_num_steps", "lora_rank", "num_train_timesteps", "ema_every",
-                 "max_sequence_length", "eval_sheet_size", "window_shift_every"]:
-        value = getattr(args, name, 1)  # not every script has every size
-        if value is not None and value < 1:
-            fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    for name, value in vars(args).items():
-        if isinstance(value, float) and not math.isfinite(value):
-            fail(f"--{name.replace('_', '-')} must be a finite number, got {value}")
-    ranges = {">= 0": lambda value: value >= 0, "> 0": lambda value: value > 0,
-              "in [0, 1)": lambda value: 0 <= value < 1, "in (0, 1]": lambda value: 0 < value <= 1}
-    limits = {"learning_rate": ">= 0", "weight_decay": ">= 0", "max_grad_norm": "> 0",
-              "kl_beta": ">= 0", "clip_range": ">= 0", "adv_clip": "> 0", "noise_level": ">= 0",
-              "ema_decay": "in [0, 1)", "timestep_fraction": "in (0, 1]"}
-    for name, allowed in limits.items():
-        value = getattr(args, name, 0.5)  # not every script has every value
-        if not ranges[allowed](value):
-            fail(f"--{name.replace('_', '-')} must be {allowed}, got {value}")
+    check_ranges(args)
     if args.mixed_precision == "fp16" and not torch.cuda.is_available():
         fail("--mixed-precision fp16 needs a GPU (on CPU: bf16 or no)")
     if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
         fail(f"--output-dir {args.output_dir!r} is a file")
     try:  # the config files give the resolution's factor before the weights load
         vae = AutoencoderKL.load_config(args.model, subfolder="vae")
-        transformer = SD3Transformer2DModel.load_config(args.model, subfolder="transformer")
+        dit = SD3Transformer2DModel.load_config(args.model, subfolder="transformer")
     except Exception as error:
-        fail(f"model {args.model!r}: no local pipeline directory, and the hub could not be "
-             f"read ({type(error).__name__}; offline? gated: accept the licence, hf auth login)")
-    factor = 2 ** (len(vae["block_out_channels"]) - 1) * transformer.get("patch_size", 1)
-    if args.resolution < 1 or args.resolution % factor:
+        fail(f"model {args.model!r}: no local pipeline directory, no hub answer "
+             f"({type(error).__name__}; offline? gated: hf auth login)")
+    factor = 2 ** (len(vae["block_out_channels"]) - 1) * dit.get("patch_size", 1)
+    if args.resolution % factor:
         fail(f"--resolution {args.resolution} is not a positive multiple of {factor} "
              "(VAE downsampling x patch size)")
     if args.track and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
@@ -267,25 +320,26 @@ def check_args(args) -> dict | None:
     if not args.resume:
         return None
     path = os.path.join(args.resume, "state.pt")
-    if os.path.basename(os.path.abspath(args.resume)).startswith(".") or not os.path.isfile(path):
-        fail(f"--resume {args.resume!r} is not a checkpoint directory "
-             "(no state.pt; hidden ones are unfinished saves)")
+    hidden = os.path.basename(os.path.abspath(args.resume)).startswith(".")
+    if hidden or not os.path.isfile(path):
+        fail(f"--resume {args.resume!r} is not a checkpoint directory (no state.pt, or "
+             "hidden: an unfinished save)")
     state = torch.load(path, map_location="cpu")
-    if state.get("script") != os.path.basename(__file__):  # e.g. a CRD run's, in GRPO
-        fail(f"--resume {args.resume!r} is not a checkpoint of {os.path.basename(__file__)}")
-    for flag in STATE_FLAGS:
-        if state["args"][flag] != getattr(args, flag):
-            fail(f"--{flag.replace('_', '-')} {getattr(args, flag)!r} differs from the "
-                 f"checkpoint's {state['args'][flag]!r}")
+    script = os.path.basename(__file__)
+    if state.get("script") != script:  # e.g. a CRD run's, in GRPO
+        fail(f"--resume {args.resume!r} is not a checkpoint of {script}")
+    for name in STATE_FLAGS:
+        if state["args"][name] != getattr(args, name):
+            fail(f"--{name.replace('_', '-')} {getattr(args, name)!r} differs from the "
+                 f"checkpoint's {state['args'][name]!r}")
     if not args.eval_only and state["next_epoch"] >= args.epochs:
-        fail(f"--epochs {args.epochs} is not past the checkpoint's {state['next_epoch']} "
-             "epochs: nothing to train")
+        fail(f"--epochs {args.epochs} is not past the checkpoint's {state['next_epoch']}")
     return state
 
 def load_prompts(path: str) -> tuple[list[str], list[dict]]:
-    """One prompt per line, or JSONL with a `prompt` field; returns prompts and metadata."""
+    """A prompt per line, or JSONL with a `prompt`: the prompts, their metadata."""
     if not os.path.isfile(path):
-        fail(f"prompt file {path!r} does not exist (README.md, Prompt sets: how to fetch them)")
+        fail(f"prompt file {path!r} does not exist (docs/usage.md: prompt sets)")
     with open(path, encoding="utf-8") as file:
         lines = [line.strip() for line in file if line.strip()]
     if not lines:
@@ -295,8 +349,8 @@ def load_prompts(path: str) -> tuple[list[str], list[dict]]:
     try:
         rows = [json.loads(line) for line in lines]
         return [row["prompt"] for row in rows], rows
-    except (ValueError, TypeError, KeyError) as error:  # not JSON, not an object, no prompt
-        fail(f"every line of {path!r} must be a JSON object with a 'prompt' field ({error!r})")
+    except (ValueError, TypeError, KeyError) as error:
+        fail(f"every line of {path!r} must be a JSON object with a 'prompt' ({error!r})")
 
 def all_gather_cat(tensor: torch.Tensor, world: int) -> torch.Tensor:
     """Concatenate an equally shaped tensor from every rank, in rank order."""
@@ -307,57 +361,44 @@ def all_gather_cat(tensor: torch.Tensor, world: int) -> torch.Tensor:
     return torch.cat(gathered)
 
 def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
-    """Seeded from (seed, epoch, rank, ...): reproducible on resume, with no state to save."""
+    """Seeded from (seed, epoch, rank, ...): resumes exactly, no state saved."""
     seed = np.random.SeedSequence(list(keys)).generate_state(1)[0]
     return torch.Generator(device).manual_seed(int(seed))
 
 @torch.no_grad()
-def encode(pipe, prompts: list[str], device, max_sequence_length: int):
-    """Text embeddings (B, L, 4096) and pooled ones (B, 2048): CLIP-L, CLIP-G and T5."""
+def encode(pipe, prompts: list[str], device, max_sequence_length: int) -> Text:
     embeds, _, pooled, _ = pipe.encode_prompt(
         prompts, None, None, device=device, do_classifier_free_guidance=False,
         max_sequence_length=max_sequence_length)
-    return embeds, pooled
+    return Text(embeds, pooled)
 
-def predict_velocity(transformer, x, sigma, embeds, pooled, neg_embeds, neg_pooled,
-                     guidance_scale: float):
-    """CFG velocity u + g (c - u) at sigma (a float or (B,)), one forward on [uncond; cond]."""
+def predict_velocity(transformer, x, sigma, text: Text, negative: Text,
+                     guidance_scale: float) -> torch.Tensor:
+    """CFG's velocity u + g (c - u) at sigma (a float or (B,)), one forward."""
     cfg = guidance_scale != 1.0
     timestep = 1000 * torch.as_tensor(sigma, device=x.device, dtype=torch.float32)
     timestep = timestep.expand(x.shape[0])
+    embeds, pooled = text
     if cfg:
-        x, timestep = torch.cat([x, x]), torch.cat([timestep, timestep])
-        embeds = torch.cat([neg_embeds.expand_as(embeds), embeds])
-        pooled = torch.cat([neg_pooled.expand_as(pooled), pooled])
+        x = torch.cat([x, x])
+        timestep = torch.cat([timestep, timestep])
+        embeds = torch.cat([negative.embeds.expand_as(embeds), embeds])
+        pooled = torch.cat([negative.pooled.expand_as(pooled), pooled])
     v = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds,
                     pooled_projections=pooled, return_dict=False)[0].float()
-    v_uncond = v_cond = v
-    if cfg:
-        v_uncond, v_cond = v.chunk(2)
+    if not cfg:
+        return v
+    v_uncond, v_cond = v.chunk(2)
     return v_uncond + guidance_scale * (v_cond - v_uncond)
 
 @torch.no_grad()
-def rollout(transformer, noise, sigmas, kind, noise_level, embeds, pooled, neg_embeds,
-            neg_pooled, guidance_scale, autocast, generator, window=None):
-    """Sample sigma 1 -> 0: sde.py's step `kind` on the steps window[0] <= i < window[1] (None:
-    all), the Euler ODE elsewhere. Returns the window's latents (B, K+1, C, h, w), log-probs
-    (B, K) and step means (B, K, C, h, w), and the sample (B, C, h, w), all fp32."""
-    start, end = window or (0, len(sigmas) - 1)
-    x, latents, log_probs, means = noise.float(), [], [], []
+def ode_sample(velocity, noise, sigmas) -> torch.Tensor:
+    """Euler ODE along sigmas: eval's sampler in every script, so evals compare."""
+    x = noise.float()
     for i in range(len(sigmas) - 1):
-        with autocast:
-            v = predict_velocity(transformer, x, sigmas[i], embeds, pooled, neg_embeds,
-                                 neg_pooled, guidance_scale)
-        if i == start:
-            latents.append(x)
-        step_kind = kind if start <= i < end else "ode"
-        x, log_prob, mean, _ = sde_step(v, x, sigmas[i], sigmas[i + 1], step_kind, noise_level,
-                                        generator=generator, second_sigma=sigmas[1])
-        if start <= i < end:
-            latents.append(x)
-            log_probs.append(log_prob)
-            means.append(mean)
-    return torch.stack(latents, 1), torch.stack(log_probs, 1), torch.stack(means, 1), x
+        v = velocity(x, sigmas[i])
+        x = sde_step(v, x, sigmas[i], sigmas[i + 1], "ode", 0.0)[0]
+    return x
 
 @torch.no_grad()
 def decode(vae, latents) -> torch.Tensor:
@@ -365,13 +406,14 @@ def decode(vae, latents) -> torch.Tensor:
     latents = latents.float() / vae.config.scaling_factor + vae.config.shift_factor
     return (vae.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
 
-def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where, run_dir):
-    """Average the gradients over ranks (one flat all-reduce), unscale, clip, check, step;
-    returns the gradient norm before the clip."""
+def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where,
+                   run_dir):
+    """All-reduce, unscale, clip, check and step; the gradient norm before the clip."""
     if world > 1:
         flat = torch.nn.utils.parameters_to_vector(p.grad for p in params)
         dist.all_reduce(flat)
-        torch.nn.utils.vector_to_parameters(flat / world, [p.grad for p in params])
+        grads = [p.grad for p in params]
+        torch.nn.utils.vector_to_parameters(flat / world, grads)
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     if not scaler.is_enabled():  # fp16's scaler skips non-finite steps itself
@@ -381,11 +423,10 @@ def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where,
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
 
-def save_checkpoint(path, transformer, lora_params, ema_params, snapshots, optimizer,
-                    next_epoch, global_step, args):
-    """Atomic: written to a hidden temporary directory (which --resume refuses and `epoch_*`
-    never matches), then renamed. `lora/`, `ema_lora/`: diffusers LoRAs with their peft
-    config; state.pt resumes (`extra`: the algorithm's snapshots)."""
+def save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
+                    optimizer, next_epoch, global_step, args):
+    """Atomic: a hidden temporary directory (--resume refuses it), then renamed.
+    `lora/`, `ema_lora/`: diffusers LoRAs; state.pt resumes (`extra`: snapshots)."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     config = transformer.peft_config["default"].to_dict()
@@ -396,9 +437,10 @@ def save_checkpoint(path, transformer, lora_params, ema_params, snapshots, optim
                 transformer_lora_adapter_metadata=config)
     extra = {name: [p.cpu() for p in copies] for name, copies in snapshots.items()}
     torch.save({"lora": [p.detach().cpu() for p in lora_params],
-                "ema": [p.cpu() for p in ema_params], "optimizer": optimizer.state_dict(),
-                "next_epoch": next_epoch, "global_step": global_step, "args": asdict(args),
-                "extra": extra, "script": os.path.basename(__file__)}, f"{tmp}/state.pt")
+                "ema": [p.cpu() for p in ema_params],
+                "optimizer": optimizer.state_dict(), "next_epoch": next_epoch,
+                "global_step": global_step, "args": asdict(args), "extra": extra,
+                "script": os.path.basename(__file__)}, f"{tmp}/state.pt")
     shutil.rmtree(path, ignore_errors=True)
     os.rename(tmp, path)
 
@@ -415,7 +457,7 @@ def swapped(params, copies):
 
 @contextmanager
 def adapters_disabled(transformer):
-    """The base model: the same transformer, LoRA switched off (never a second copy)."""
+    """The base model: the same transformer, its LoRA switched off."""
     transformer.disable_adapters()
     try:
         yield
@@ -423,48 +465,53 @@ def adapters_disabled(transformer):
         transformer.enable_adapters()
 
 def prepare_run_dir(run_dir: str, start_epoch: int):
-    """Create the run directory, dropping a crashed save and the metrics of redone epochs."""
+    """Make the run directory; drop a crashed save and redone epochs' metrics."""
     for tmp in glob.glob(os.path.join(run_dir, "checkpoints", ".*")):
         shutil.rmtree(tmp)
     path = os.path.join(run_dir, "metrics.jsonl")
     lines = open(path).readlines() if os.path.exists(path) else []
     os.makedirs(run_dir, exist_ok=True)
     with open(path, "w") as file:
-        file.writelines(line for line in lines if json.loads(line)["epoch"] < start_epoch)
+        file.writelines(x for x in lines if json.loads(x)["epoch"] < start_epoch)
 
 def rank_mean(values: dict[str, float], world: int, device) -> dict[str, float]:
-    """Each value's mean over ranks (logged statistics are the run's, not rank 0's)."""
+    """Each value's mean over ranks: the run's statistics, not rank 0's."""
     local = torch.tensor([list(values.values())], dtype=torch.float64, device=device)
     return dict(zip(values, all_gather_cat(local, world).mean(0).tolist()))
 
 def clock(device) -> float:
-    """Seconds (monotonic), read once the GPU has run its queued work: phase timings."""
+    """Seconds, once the GPU has run its queued work (phase timings)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
 def check_finite(where: str, run_dir: str, **values):
-    """Stop with one line naming the first non-finite value and the last checkpoint."""
+    """Stop with a line naming the first non-finite value and the last checkpoint."""
     for name, value in values.items():
         if not torch.isfinite(torch.as_tensor(value)).all():
-            saved = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
-            last = saved[-1] if saved else "none saved yet"
+            saves = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
+            last = saves[-1] if saves else "none saved yet"
             fail(f"non-finite {name} at {where}; stopping. Last checkpoint: {last}")
 
 if __name__ == "__main__":
-    # TRY NOT TO MODIFY: input checks, rewards, run directory, all before the model loads
-    args = tyro.cli(Args)
-    train_prompts, train_meta = ([], []) if args.eval_only else load_prompts(args.train_prompts)
+    # TRY NOT TO MODIFY: input checks, rewards, run directory, before the model loads
+    args = tyro.cli(Args, description=__doc__.split("\n\n")[0])
+    train_prompts, train_meta = [], []  # --eval-only trains on none
+    if not args.eval_only:
+        train_prompts, train_meta = load_prompts(args.train_prompts)
     test_prompts, test_meta = load_prompts(args.test_prompts)
     state = check_args(args)
-    rank, world, device = 0, 1, torch.device("cpu")
+    rank = 0
+    world = 1
+    device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     if "RANK" in os.environ:  # set by torchrun
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
-    quiet = rank != 0 or not sys.stderr.isatty()  # progress bars only on rank 0's terminal
+        rank = dist.get_rank()
+        world = dist.get_world_size()
+    quiet = rank != 0 or not sys.stderr.isatty()  # bars on rank 0's terminal
     if quiet:  # the model-loading bars too
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
@@ -479,9 +526,8 @@ if __name__ == "__main__":
         fail(str(error))
     images_per_epoch = args.prompts_per_epoch * args.group_size
     if images_per_epoch % (world * args.batch_size):
-        fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split into "
-             f"{world} GPUs x batch-size {args.batch_size}; change --prompts-per-epoch, "
-             "--group-size or --batch-size")
+        fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split "
+             f"into {world} GPUs x --batch-size {args.batch_size}")
     local_images = images_per_epoch // world  # sampled by this rank per epoch
     num_batches = local_images // args.batch_size
     run_name = [f"{args.exp_name}__{args.seed}__{int(time.time())}"]
@@ -490,16 +536,15 @@ if __name__ == "__main__":
     run_dir = os.path.join(args.output_dir, run_name[0])
     parent = os.path.dirname(os.path.abspath(args.resume or "."))
     if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
-        run_dir = os.path.dirname(parent)  # a resumed run continues in its own directory
+        run_dir = os.path.dirname(parent)  # a resumed run goes on in its directory
 
-    # ALGO LOGIC: from images to optimizer steps. The defaults on 8 GPUs: 48 prompts x 24 images
-    # = 1152 images, 144 per GPU, in 16 micro-batches of 9, each re-noised at int(10 x 0.99) = 9
-    # grid timesteps, a forward and backward each (a micro-step). 2 updates per epoch: a step
-    # every 8 micro-batches x 9 = 72 micro-steps (accum_steps), averaged, then over the 8 GPUs.
+    # ALGO LOGIC: from images to optimizer steps. The defaults on 8 GPUs: 48 prompts x
+    # 24 images = 1152, 144 per GPU, in 16 micro-batches of 9, each re-noised at
+    # int(10 x 0.99) = 9 grid sigmas (a micro-step: a forward and backward). 2 updates
+    # per epoch: a step sums 8 x 9 = 72 micro-steps (accum_steps), averaged over GPUs.
     if num_batches % args.updates_per_epoch:
         fail(f"{num_batches} micro-batches per GPU per epoch do not split into "
-             f"--updates-per-epoch {args.updates_per_epoch}; change --updates-per-epoch "
-             "or --batch-size")
+             f"--updates-per-epoch {args.updates_per_epoch}")
     num_train_steps = int(args.num_steps * args.timestep_fraction)
     if num_train_steps < 1:
         fail(f"--timestep-fraction {args.timestep_fraction} trains no step of "
@@ -509,10 +554,10 @@ if __name__ == "__main__":
         devices = "GPU(s)" if device.type == "cuda" else "process(es)"
         print(f"{world} {devices} x {num_batches} micro-batches x {args.batch_size} = "
               f"{images_per_epoch} images/epoch ({args.prompts_per_epoch} prompts x "
-              f"{args.group_size}); {args.updates_per_epoch} updates/epoch of {accum_steps} "
-              f"micro-steps each; run dir {run_dir}")
+              f"{args.group_size}); {args.updates_per_epoch} updates/epoch of "
+              f"{accum_steps} micro-steps each; run dir {run_dir}")
 
-    # TRY NOT TO MODIFY: the model: frozen base in bf16/fp16, fp32 LoRA, alike on all ranks
+    # TRY NOT TO MODIFY: the model: frozen base in bf16/fp16, LoRA in fp32
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
     dtype = dtypes[args.mixed_precision]
     pipe = StableDiffusion3Pipeline.from_pretrained(
@@ -521,43 +566,51 @@ if __name__ == "__main__":
     for module in pipe.components.values():
         if isinstance(module, torch.nn.Module):
             module.requires_grad_(False)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # the LoRA's init, the same on every rank
     transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
-                                       init_lora_weights="gaussian", target_modules=LORA_TARGETS))
+                                       init_lora_weights="gaussian",
+                                       target_modules=LORA_TARGETS))
     lora_params = [p for p in transformer.parameters() if p.requires_grad]
     for p in lora_params:
         p.data = p.data.float()
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    if args.compile:  # regional: the repeated blocks, each in place (benchmarks/RESULTS.md)
-        # graphs per block kind: rollout, training, the LoRA off, eval's batch sizes
+    if args.compile:  # regional: each block on its own
         torch._dynamo.config.recompile_limit = 64
         for block in transformer.transformer_blocks:
             block.compile(dynamic=False)
     optimizer = torch.optim.AdamW(lora_params, lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.mixed_precision == "fp16")
+    fp16 = args.mixed_precision == "fp16"
+    scaler = torch.amp.GradScaler(device.type, enabled=fp16)
     ema_params = [p.detach().clone() for p in lora_params]
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     latent_size = args.resolution // pipe.vae_scale_factor
     latent_shape = (transformer.config.in_channels, latent_size, latent_size)
-    neg = encode(pipe, [""], device, args.max_sequence_length)  # the CFG prompt, once
+    negative = encode(pipe, [""], device, args.max_sequence_length)  # CFG's, once
 
-    # ALGO LOGIC: the sigma grids, eval's CFG scale, the old policy's LoRA snapshot
+    def velocity(x, sigma, text: Text, guidance_scale=args.guidance_scale):
+        """The transformer's velocity at (x, sigma) for `text`, with CFG."""
+        with autocast:
+            return predict_velocity(transformer, x, sigma, text, negative,
+                                    guidance_scale)
+
+    # ALGO LOGIC: the sigma grids, the old policy's LoRA snapshot
     pipe.scheduler.set_timesteps(args.num_steps, device=device)
-    grid = pipe.scheduler.sigmas.float()  # (T+1,) from 1 to 0, SD3's shifted schedule
-    train_sigmas = grid[:-1]  # (T,) at sigma 0 x_t is x0: nothing to learn there
+    sigmas = pipe.scheduler.sigmas.float()  # (T+1,) 1 to 0, SD3's shifted schedule
+    train_sigmas = sigmas[:-1]  # (T,): at sigma 0, x_t is x0: nothing to learn
     if rank == 0:
-        print(f"rollout grid sigma {[round(x, 4) for x in grid.tolist()]}; "
+        print(f"rollout grid sigma {[round(x, 4) for x in sigmas.tolist()]}; "
               "training timesteps: all but the final 0")
     pipe.scheduler.set_timesteps(args.eval_num_steps, device=device)
     eval_sigmas = pipe.scheduler.sigmas.float()
-    eval_guidance_scale = args.guidance_scale
-    old_params = [p.detach().clone() for p in lora_params]  # the old policy: see old_decay
-    snapshots = {"old": old_params}  # it samples the rollouts and anchors nft_loss
+    # The old policy samples the rollouts and anchors nft_loss (see old_decay).
+    old_params = [p.detach().clone() for p in lora_params]
+    snapshots = {"old": old_params}
 
     # TRY NOT TO MODIFY: resume, logging, eval
-    start_epoch, global_step = 0, 0
+    start_epoch = 0
+    global_step = 0
     if state is not None:
         for p, saved in zip(lora_params + ema_params, state["lora"] + state["ema"]):
             p.data.copy_(saved)
@@ -565,196 +618,227 @@ if __name__ == "__main__":
             for p, saved in zip(copies, state["extra"][name]):
                 p.data.copy_(saved)
         optimizer.load_state_dict(state["optimizer"])
-        start_epoch, global_step = state["next_epoch"], state["global_step"]
-    if rank == 0:  # created only now: a run that fails earlier leaves no directory behind
+        start_epoch = state["next_epoch"]
+        global_step = state["global_step"]
+    if rank == 0:  # a run that fails earlier leaves no directory behind
         prepare_run_dir(run_dir, start_epoch)
     if args.track and rank == 0:
         import wandb
         wandb.init(project=args.wandb_project, entity=args.wandb_entity,
-                   name=os.path.basename(run_dir), config=vars(args), save_code=True, dir=run_dir)
+                   name=os.path.basename(run_dir), config=vars(args), save_code=True,
+                   dir=run_dir)
 
     def log(metrics: dict, epoch: int):
-        if rank == 0:
-            with open(os.path.join(run_dir, "metrics.jsonl"), "a") as file:
-                file.write(json.dumps({"epoch": epoch, **metrics}) + "\n")
-            if args.track:  # the eval sheets as images, at the step of their epoch's line
-                wandb.log({name: wandb.Image(os.path.join(run_dir, value)) if name.endswith("sheet")
-                           else value for name, value in metrics.items()}, step=epoch)
+        if rank != 0:
+            return
+        with open(os.path.join(run_dir, "metrics.jsonl"), "a") as file:
+            file.write(json.dumps({"epoch": epoch, **metrics}) + "\n")
+        if args.track:  # the eval sheets as images
+            sheets = {name: wandb.Image(os.path.join(run_dir, value))
+                      for name, value in metrics.items() if name.endswith("sheet")}
+            wandb.log(metrics | sheets, step=epoch)
 
     @torch.no_grad()
     def run_eval(epoch: int, prefix: str = "eval/") -> dict:
-        """ODE-sample the test prompts with the EMA weights and score them: prompt i on rank
-        i % world, from noise seed i (the same images on any GPU count)."""
-        scores, sheet, thumbs, by_prompt = [], {}, {}, {}
-        for i, text in enumerate(test_prompts):  # the indices of each distinct test prompt
+        """Score the EMA's ODE samples of the test prompts: prompt i on rank i % world,
+        from noise seed i (the same on any GPU count)."""
+        by_prompt = {}  # test prompt -> its indices
+        for i, text in enumerate(test_prompts):
             by_prompt.setdefault(text, []).append(i)
-        cols = math.ceil(math.sqrt(args.eval_sheet_size))  # a row: a prompt's first samples
-        sheet_ids = [i for ids in by_prompt.values() for i in ids[:cols]][: args.eval_sheet_size]
-        transformer.eval()  # as in sampling: a compiled block's graph depends on the mode
+        cols = math.ceil(math.sqrt(args.eval_sheet_size))  # a row per prompt
+        sheet_ids = [i for ids in by_prompt.values() for i in ids[:cols]]
+        sheet_ids = sheet_ids[: args.eval_sheet_size]
+        transformer.eval()  # as in sampling: compiled graphs depend on the mode
+        scores = []
+        sheet = {}
+        thumbs = {}
         my_prompts = list(range(rank, len(test_prompts), world))
         for start in range(0, len(my_prompts), args.eval_batch_size):
             ids = my_prompts[start : start + args.eval_batch_size]
             prompts = [test_prompts[i] for i in ids]
-            noise = torch.stack([torch.randn(latent_shape, device=device,
-                                             generator=seeded_generator(device, args.seed, i))
-                                 for i in ids])
-            embeds, pooled = encode(pipe, prompts, device, args.max_sequence_length)
-            with swapped(lora_params, ema_params):  # with --ema-decay 0 the EMA is the LoRA
-                _, _, _, final = rollout(transformer, noise, eval_sigmas, "ode", 0.0, embeds,
-                                         pooled, *neg, eval_guidance_scale, autocast, None)
+            noise = torch.stack([
+                torch.randn(latent_shape, device=device,
+                            generator=seeded_generator(device, args.seed, i))
+                for i in ids])
+            text = encode(pipe, prompts, device, args.max_sequence_length)
+            with swapped(lora_params, ema_params):  # with EMA 0: the LoRA
+                final = ode_sample(partial(velocity, text=text), noise, eval_sigmas)
             images = decode(pipe.vae, final)
-            batch_scores, info = eval_reward_fn(images.cpu(), prompts, [test_meta[i] for i in ids])
+            meta = [test_meta[i] for i in ids]
+            batch_scores, info = eval_reward_fn(images.cpu(), prompts, meta)
             columns = {"reward_mean": batch_scores, **info}
-            scores += [{name: float(values[j]) for name, values in columns.items()}
-                       for j in range(len(ids))]
-            pixels = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+            for j in range(len(ids)):
+                scores.append({name: float(values[j]) for name, values in columns.items()})
+            pixels = images.permute(0, 2, 3, 1).cpu().numpy() * 255
+            pixels = pixels.round().astype(np.uint8)
             sheet.update({i: image for i, image in zip(ids, pixels) if i in sheet_ids})
-            small = torch.nn.functional.interpolate(images, size=32, mode="area").flatten(1)
-            thumbs.update(zip(ids, small.cpu()))  # (3 * 32 * 32,) thumbnails
+            small = torch.nn.functional.interpolate(images, size=32, mode="area")
+            thumbs.update(zip(ids, small.flatten(1).cpu()))
         if world > 1:
             gathered = [None] * world
             dist.all_gather_object(gathered, (scores, sheet, thumbs))
-            scores = [score for rank_scores, _, _ in gathered for score in rank_scores]
-            sheet = {i: image for _, rank_sheet, _ in gathered for i, image in rank_sheet.items()}
-            thumbs = {i: small for *_, part in gathered for i, small in part.items()}
-        means = {name: float(np.mean([score[name] for score in scores])) for name in scores[0]}
+            scores = [score for part, _, _ in gathered for score in part]
+            sheet = {i: image for _, part, _ in gathered for i, image in part.items()}
+            thumbs = {i: small for _, _, part in gathered for i, small in part.items()}
+        means = {name: float(np.mean([row[name] for row in scores]))
+                 for name in scores[0]}
         groups = [torch.stack([thumbs[i] for i in ids]) for ids in by_prompt.values()]
         distances = [torch.pdist(group).mean() / group.shape[1] ** 0.5
                      for group in groups if len(group) > 1]
-        if distances:  # diversity: RMS pixel distance of two samples of one test prompt
+        if distances:  # RMS pixel distance of two samples of one prompt
             means["diversity"] = float(torch.stack(distances).mean())
-        if rank == 0:  # a contact sheet: rows of cols cells, black cells end the last row
+        if rank == 0:  # the contact sheet: black cells end the last row
             cells = [sheet[i] for i in sheet_ids]
             cells += [np.zeros_like(cells[0])] * (-len(cells) % cols)
-            rows = [np.concatenate(cells[i : i + cols], axis=1) for i in range(0, len(cells), cols)]
+            rows = [np.concatenate(cells[i : i + cols], axis=1)
+                    for i in range(0, len(cells), cols)]
             path = os.path.join(run_dir, f"eval_{epoch:05d}.png")
             Image.fromarray(np.concatenate(rows, axis=0)).save(path)
-            reward_name = args.eval_reward or args.reward
-            print(f"eval after {epoch} epochs: {reward_name} = {means['reward_mean']:.4f}")
+            name = args.eval_reward or args.reward
+            print(f"eval after {epoch} epochs: {name} = {means['reward_mean']:.4f}")
             means["sheet"] = os.path.basename(path)  # in the run directory
         return {prefix + name: value for name, value in means.items()}
 
     if args.eval_only:
         log(run_eval(start_epoch), start_epoch)
-    executor = ThreadPoolExecutor(max_workers=1)  # scores batch i while batch i+1 is sampled
+    executor = ThreadPoolExecutor(max_workers=1)  # scores while sampling goes on
     for epoch in range(start_epoch, 0 if args.eval_only else args.epochs):
         epoch_start = clock(device)
         metrics = run_eval(epoch) if epoch % args.eval_every == 0 else {}
         text_start = clock(device)
-        # the same prompts on every rank, distinct ones if there are enough
+        # The same prompts on every rank: distinct ones, if the file has enough.
         prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
-        num_prompts, per_epoch = len(train_prompts), args.prompts_per_epoch
-        if num_prompts >= per_epoch:
-            chosen = torch.randperm(num_prompts, generator=prompt_gen)[:per_epoch]
+        num_prompts = len(train_prompts)
+        if num_prompts >= args.prompts_per_epoch:
+            chosen = torch.randperm(num_prompts, generator=prompt_gen)
+            chosen = chosen[: args.prompts_per_epoch]
         else:
-            chosen = torch.randint(num_prompts, (per_epoch,), generator=prompt_gen)
-        # each prompt encoded once: row g is group g's, (P, L, 4096) and (P, 2048)
-        prompt_embeds, prompt_pooled = encode(pipe, [train_prompts[i] for i in chosen], device,
-                                              args.max_sequence_length)
+            chosen = torch.randint(num_prompts, (args.prompts_per_epoch,),
+                                   generator=prompt_gen)
+        epoch_prompts = [train_prompts[i] for i in chosen]  # group g's is row g
+        epoch_meta = [train_meta[i] for i in chosen]
+        epoch_text = encode(pipe, epoch_prompts, device, args.max_sequence_length)
         sampling_start = clock(device)
 
-        # ALGO LOGIC: sampling. Every rank shuffles the epoch's images the same way and samples
-        # its own slice of them: each prompt's group is spread over the ranks.
-        order = torch.randperm(images_per_epoch, generator=prompt_gen)
-        group_ids = torch.arange(args.prompts_per_epoch).repeat_interleave(args.group_size)
-        group_ids = group_ids[order]  # (P*G,) the group (prompt) of every image
+        # ALGO LOGIC: sampling. The epoch's images, shuffled alike on every rank: each
+        # rank samples its share, and a group (a prompt's images) spans ranks. The old
+        # policy samples them, deterministically; only the clean latents are kept.
+        group_ids = torch.arange(args.prompts_per_epoch)
+        group_ids = group_ids.repeat_interleave(args.group_size)
+        group_ids = group_ids[torch.randperm(images_per_epoch, generator=prompt_gen)]
         my_groups = group_ids.view(world, num_batches, args.batch_size)[rank]
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
         transformer.eval()
-        batches, futures = [], []
+        batches = []  # (Text, clean latents (B, C, h, w)) of each micro-batch
+        futures = []  # their rewards
         progress = tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet, leave=False)
-        with swapped(lora_params, old_params):  # the old policy samples, deterministically
-            for batch_groups in progress:
-                prompts = [train_prompts[chosen[group]] for group in batch_groups]
-                meta = [train_meta[chosen[group]] for group in batch_groups]
-                cond = (prompt_embeds[batch_groups], prompt_pooled[batch_groups], *neg)
-                noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen,
-                                    device=device)
-                with autocast:  # only the clean latents (B, C, h, w) are kept
-                    x0 = dpm_sample(lambda x, sigma: predict_velocity(
-                        transformer, x, sigma, *cond, args.guidance_scale), noise, grid)[:, -1]
+        with swapped(lora_params, old_params):
+            for groups in progress:
+                text = epoch_text.rows(groups)
+                noise = torch.randn((args.batch_size, *latent_shape),
+                                    generator=noise_gen, device=device)
+                latents = dpm_sample(partial(velocity, text=text), noise, sigmas)
+                x0 = latents[:, -1]
                 images = decode(pipe.vae, x0).cpu()
+                prompts = [epoch_prompts[group] for group in groups]
+                meta = [epoch_meta[group] for group in groups]
                 futures.append(executor.submit(reward_fn, images, prompts, meta))
-                batches.append((cond, x0))
+                batches.append((text, x0))
 
         # TRY NOT TO MODIFY: all ranks' rewards, in rank order, and the advantages
         reward_start = clock(device)
-        scores, infos = zip(*[future.result() for future in futures])  # per micro-batch
-        info = {name: torch.cat([batch[name] for batch in infos]) for name in infos[0]}
-        all_rewards = all_gather_cat(torch.cat(scores).float().to(device), world).cpu()  # (P*G,)
+        scores, infos = zip(*[future.result() for future in futures])
+        info = {name: torch.cat([part[name] for part in infos]) for name in infos[0]}
+        all_rewards = torch.cat(scores).float().to(device)
+        all_rewards = all_gather_cat(all_rewards, world).cpu()  # (P*G,)
         all_components = {name: all_gather_cat(info[name].to(device), world).cpu()
                           for name in reward_fn.weights}
-        extras = rank_mean({f"reward/{name}": values.mean().item()  # e.g. pickscore_raw
-                            for name, values in info.items() if name not in reward_fn.weights},
-                           world, device)
-        if reward_fn.group_transform is not None:  # groupwise rewards need whole groups
-            all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
+        extras = {f"reward/{name}": values.mean().item()  # e.g. pickscore_raw
+                  for name, values in info.items() if name not in reward_fn.weights}
+        extras = rank_mean(extras, world, device)
+        if reward_fn.group_transform is not None:  # e.g. ranks within each group
+            all_rewards, all_components = reward_fn.group_transform(all_components,
+                                                                    group_ids)
         advantages = compute_advantages(all_rewards, all_components, reward_fn.weights,
-                                        group_ids, args.advantage_aggregation, args.per_group_std)
-        check_finite(f"epoch {epoch}", run_dir, reward=all_rewards, advantage=advantages)
+                                        group_ids, args.advantage_aggregation,
+                                        args.per_group_std)
+        check_finite(f"epoch {epoch}", run_dir, reward=all_rewards,
+                     advantage=advantages)
         group_std = torch.stack([all_rewards[group_ids == group].std(unbiased=False)
                                  for group in range(args.prompts_per_epoch)])
         training_start = clock(device)
 
-        # ALGO LOGIC: training. A micro-step re-noises a micro-batch's clean latents, each at a
-        # random grid timestep with fresh noise, and backpropagates nft_loss.
-        my_advantages = advantages.to(device).view(world, num_batches, args.batch_size)[rank]
+        # ALGO LOGIC: training. A micro-step re-noises a micro-batch's clean latents,
+        # each at a random grid sigma with fresh noise, and backpropagates nft_loss.
+        my_advantages = advantages.to(device)
+        my_advantages = my_advantages.view(world, num_batches, args.batch_size)[rank]
         transformer.train()
-        train_gen = seeded_generator(device, args.seed, epoch, rank, 1)  # not the rollouts'
-        stats = {"policy_loss": [], "kl": [], "old_deviate": []}
+        train_gen = seeded_generator(device, args.seed, epoch, rank, 1)  # not rollouts'
+        stats = defaultdict(list)  # a value per micro-step
         micro_step = 0
         progress = tqdm(batches, f"epoch {epoch} training", disable=quiet, leave=False)
-        for (cond, x0), batch_advantages in zip(progress, my_advantages):
-            order = torch.rand(len(x0), len(train_sigmas), generator=train_gen, device=device)
-            order = order.argsort(dim=1)  # (B, T) each sample's own random order of the grid
+        for (text, x0), batch_advantages in zip(progress, my_advantages):
+            # Each sample's own random order of the training sigmas: (B, T).
+            order = torch.rand(len(x0), len(train_sigmas), generator=train_gen,
+                               device=device)
+            order = order.argsort(dim=1)
             for j in range(num_train_steps):
-                t = train_sigmas[order[:, j]]  # (B,)
+                sigma = train_sigmas[order[:, j]]  # (B,)
                 noise = torch.randn(x0.shape, generator=train_gen, device=device)
-                xt = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * noise
-                with torch.no_grad(), swapped(lora_params, old_params), autocast:
-                    v_old = predict_velocity(transformer, xt, t, *cond, args.guidance_scale)
-                with autocast:
-                    v = predict_velocity(transformer, xt, t, *cond, args.guidance_scale)
-                v_ref = None
+                xt = ((1 - sigma.view(-1, 1, 1, 1)) * x0
+                      + sigma.view(-1, 1, 1, 1) * noise)
+                with torch.no_grad(), swapped(lora_params, old_params):
+                    v_old = velocity(xt, sigma, text)
+                v = velocity(xt, sigma, text)
+                v_ref = None  # the base model's, for the KL
                 if args.kl_beta > 0:
-                    with torch.no_grad(), adapters_disabled(transformer), autocast:
-                        v_ref = predict_velocity(transformer, xt, t, *cond, args.guidance_scale)
-                loss, policy_loss, kl = nft_loss(v, v_old, v_ref, x0, xt, t, batch_advantages,
-                                                 args.beta, args.adv_clip, args.kl_beta,
-                                                 accum_steps)
+                    with torch.no_grad(), adapters_disabled(transformer):
+                        v_ref = velocity(xt, sigma, text)
+                loss, step_stats = nft_loss(
+                    v=v, v_old=v_old, v_ref=v_ref, x0=x0, xt=xt, t=sigma,
+                    advantages=batch_advantages, beta=args.beta,
+                    adv_clip=args.adv_clip, kl_beta=args.kl_beta,
+                    accum_steps=accum_steps)
                 scaler.scale(loss).backward()
-                stats["policy_loss"].append(policy_loss.item())
-                stats["kl"].append(kl.item())
-                stats["old_deviate"].append(((v.detach() - v_old) ** 2).mean().item())
+                for name, value in step_stats.items():
+                    stats[name].append(value)
                 micro_step += 1
                 if micro_step % accum_steps == 0:
-                    grad_norm = optimizer_step(optimizer, scaler, lora_params,
-                                               args.max_grad_norm, world, loss,
-                                               f"epoch {epoch}, step {global_step}", run_dir)
+                    grad_norm = optimizer_step(
+                        optimizer, scaler, lora_params, args.max_grad_norm, world,
+                        loss, f"epoch {epoch}, step {global_step}", run_dir)
                     global_step += 1
-                    decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))  # warm-up
+                    # The EMA moves once per optimizer step, after a warm-up in which
+                    # it follows the weights closely.
+                    decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))
                     for ema, p in zip(ema_params, lora_params):
                         ema.mul_(decay).add_(p.detach(), alpha=1 - decay)
-        eta = old_decay(global_step, args.decay_type)  # old <- eta old + (1 - eta) current
+        # The old policy moves once per epoch: old <- eta old + (1 - eta) current.
+        eta = old_decay(global_step, args.decay_type)
         for old, p in zip(old_params, lora_params):
             old.mul_(eta).add_(p.detach(), alpha=1 - eta)
 
         # ALGO LOGIC: this algorithm's metrics and its part of the summary line
-        losses = {f"losses/{name}": float(np.mean(values)) for name, values in stats.items()}
+        losses = {f"losses/{name}": float(np.mean(values))
+                  for name, values in stats.items()}
         metrics.update(rank_mean(losses, world, device))
-        metrics["losses/first_old_deviate"] = stats["old_deviate"][0]  # 0 while eta is 0
+        # The first micro-step's is 0 while eta is 0: the old policy is the current one.
+        metrics["losses/first_old_deviate"] = stats["old_deviate"][0]
         metrics["charts/old_decay"] = eta
-        # A growing mean x0^2 is upstream's sign of drifting to bright images (DiffusionNFT #47)
-        metrics["charts/x0_norm"] = torch.stack([(x0**2).mean() for _, x0 in batches]).mean().item()
-        summary = (f"policy {metrics['losses/policy_loss']:.3e} kl {metrics['losses/kl']:.3e} | "
+        # A growing mean x0^2 is upstream's sign of a drift to bright images
+        # (DiffusionNFT issue 47).
+        x0_norms = torch.stack([(x0**2).mean() for _, x0 in batches])
+        metrics["charts/x0_norm"] = x0_norms.mean().item()
+        summary = (f"policy {metrics['losses/policy_loss']:.3e} "
+                   f"kl {metrics['losses/kl']:.3e} | "
                    f"old dev {metrics['losses/old_deviate']:.1e} eta {eta:.3f}")
 
         # TRY NOT TO MODIFY: shared metrics, final eval, the summary line, checkpoints
         epoch_end = clock(device)
         epoch_seconds = epoch_end - epoch_start
-        eval_seconds = text_start - epoch_start
         compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux: KiB
+        # Peak memory: the process's (Linux reports KiB), or the GPU's.
+        max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
         if device.type == "cuda":
             max_mem_gb = torch.cuda.max_memory_allocated(device) / 1e9
         metrics.update({
@@ -762,13 +846,14 @@ if __name__ == "__main__":
             "reward/mean": all_rewards.mean().item(),
             "reward/std": all_rewards.std(unbiased=False).item(),
             "reward/zero_std_group_frac": (group_std == 0).float().mean().item(),
-            **{f"reward/{name}": values.mean().item() for name, values in all_components.items()},
+            **{f"reward/{name}": part.mean().item()
+               for name, part in all_components.items()},
             **extras,
             "charts/global_step": global_step,
             "charts/learning_rate": args.learning_rate,
             "perf/images_per_sec": images_per_epoch / (reward_start - sampling_start),
             "perf/epoch_seconds": epoch_seconds,
-            "perf/eval_seconds": eval_seconds,
+            "perf/eval_seconds": text_start - epoch_start,
             "perf/text_encoding_seconds": sampling_start - text_start,
             "perf/sampling_seconds": reward_start - sampling_start,
             "perf/reward_seconds": training_start - reward_start,
@@ -778,11 +863,12 @@ if __name__ == "__main__":
         if rank == 0:
             line = (f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± "
                     f"{metrics['reward/std']:.4f} | {summary} | "
-                    f"{metrics['perf/images_per_sec']:.2f} img/s | {epoch_seconds:.0f}s")
+                    f"{metrics['perf/images_per_sec']:.2f} img/s | "
+                    f"{epoch_seconds:.0f}s")
             if "eval/reward_mean" in metrics:
                 line += f" | eval {metrics['eval/reward_mean']:.4f}"
             print(line)
-        if epoch + 1 == args.epochs:  # logged with the last epoch, printed after its line
+        if epoch + 1 == args.epochs:  # logged with the last epoch, printed after it
             metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
         log(metrics, epoch)
         if (epoch + 1) % args.save_every == 0 or epoch + 1 == args.epochs:

@@ -1,14 +1,17 @@
-"""awm_sd35.py: hand-computed log-prob, loss and timestep units, the SA-Solver rollout on a
-Gaussian toy, then end-to-end runs on the tiny offline SD3 pipeline."""
+"""awm_sd35.py: hand-computed log-prob, loss and timestep units, the SA-Solver and SDE samplers
+on a Gaussian toy, then end-to-end runs on the tiny offline SD3 pipeline."""
 
 import math
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, SASolverScheduler
 
-from awm_sd35 import awm_log_prob, awm_loss, sa_solver_rollout, stratified_timestep_indices
+from awm_sd35 import (Text, awm_log_prob, awm_loss, ode_sample, predict_velocity,
+                      sa_solver_sample, sde_sample, stratified_timestep_indices)
+from sde import sde_step
 from scripts_harness import (TOY_REWARD, assert_accuracy_rose, assert_bad_input, assert_common_run,
                              cut_back_copy, learning_run, lora_tensors, read_metrics, run_script,
                              tiny_sd35_flags)
@@ -54,12 +57,14 @@ def test_awm_policy_loss_value_and_gradient():
     lp = torch.tensor([-1.0, -2.0, -3.0], dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([10.0, -2.5, 1.0])  # clipped to +-5, divided by 5: (1, -0.5, 0.2)
     v = torch.zeros(3, 1, 1, 1)
-    loss, policy, _, _ = awm_loss(lp, adv, v, None, None, accum_steps=1, adv_clip=5.0,
-                                  kl_beta=0.5, anchor_beta=0.5)
-    assert loss.item() == pytest.approx(policy.item())  # no KL terms, no accumulation
+    loss, stats = awm_loss(log_prob=lp, advantages=adv, v=v, v_base=None, v_anchor=None,
+                           adv_clip=5.0, kl_beta=0.5, anchor_beta=0.5, accum_steps=1)
+    # no KL terms, no accumulation: the loss is the policy term
+    assert loss.item() == pytest.approx(stats["policy_loss"])
+    assert stats["kl"] == 0 and stats["anchor_kl"] == 0
     # the ratio exp(logp - logp.detach()) is exactly 1: the value is -mean(A) for any logp
-    assert policy.item() == pytest.approx(-(1 - 0.5 + 0.2) / 3)
-    policy.backward()  # and the gradient -A / N times the log-prob's
+    assert stats["policy_loss"] == pytest.approx(-(1 - 0.5 + 0.2) / 3)
+    loss.backward()  # and the gradient -A / N times the log-prob's
     assert torch.allclose(lp.grad, torch.tensor([-1.0, 0.5, -0.2], dtype=torch.float64) / 3)
 
 
@@ -67,10 +72,10 @@ def test_awm_loss_adds_both_kls_and_divides_by_the_accumulation():
     lp = torch.zeros(2, dtype=torch.float64)
     v = torch.ones(2, 1, 1, 2)
     v_base, v_anchor = torch.zeros(2, 1, 1, 2), torch.full((2, 1, 1, 2), 3.0)  # (v - ref)^2: 1, 4
-    loss, policy, kl, anchor_kl = awm_loss(lp, torch.tensor([5.0, 0.0]), v, v_base, v_anchor,
-                                           accum_steps=4, adv_clip=5.0, kl_beta=0.1,
-                                           anchor_beta=2.0)
-    assert policy.item() == pytest.approx(-0.5) and kl.item() == 1 and anchor_kl.item() == 4
+    loss, stats = awm_loss(log_prob=lp, advantages=torch.tensor([5.0, 0.0]), v=v,
+                           v_base=v_base, v_anchor=v_anchor, adv_clip=5.0, kl_beta=0.1,
+                           anchor_beta=2.0, accum_steps=4)
+    assert stats == {"policy_loss": pytest.approx(-0.5), "kl": 1, "anchor_kl": 4}
     assert loss.item() == pytest.approx((-0.5 + 0.1 * 1 + 2.0 * 4) / 4)
 
 
@@ -118,13 +123,18 @@ def sa_sample(tau, window=(0.3, 0.9), seed=1, n=4000):
     solver = SASolverScheduler(use_flow_sigmas=True, prediction_type="flow_prediction",
                                predictor_order=2, corrector_order=2)
     noise = torch.randn(n, 1, 2, 2, generator=torch.Generator().manual_seed(0))
-    cond = torch.zeros(n, 1, 1), torch.zeros(n, 1)
-    return sa_solver_rollout(GaussianVelocity(), solver, noise, scheduler.sigmas.float(), tau,
-                             window, *cond, *cond, 1.0, torch.autocast("cpu", enabled=False),
-                             torch.Generator().manual_seed(seed))
+    return sa_solver_sample(gaussian_velocity(n), solver, noise, scheduler.sigmas.float(), tau,
+                            window, torch.Generator().manual_seed(seed))
 
 
-def test_sa_solver_rollout_reaches_the_data_distribution():
+def gaussian_velocity(n):
+    """GaussianVelocity through the script's predict_velocity, for n samples, no CFG."""
+    text = Text(torch.zeros(n, 1, 1), torch.zeros(n, 1))
+    return partial(predict_velocity, GaussianVelocity(), text=text, negative=text,
+                   guidance_scale=1.0)
+
+
+def test_sa_solver_sample_reaches_the_data_distribution():
     ode, sde = sa_sample(0.0), sa_sample(0.4)
     # diffusers' own flow grid would stop at sigma = 0.19 (mean 0.81 * 3); this one reaches data
     for x in (ode, sde):
@@ -141,12 +151,33 @@ def test_sa_solver_rollout_reaches_the_data_distribution():
     assert sde.std().item() == pytest.approx(1.12053, abs=0.015)
 
 
-def test_sa_solver_rollout_noise_only_inside_the_window():
+def test_sa_solver_sample_noise_only_inside_the_window():
     # tau 0: an ODE, the generator is unused
     assert torch.equal(sa_sample(0.0, seed=1), sa_sample(0.0, seed=2))
     # no step lands in the window
     assert torch.equal(sa_sample(0.4, window=(2.0, 3.0), seed=1), sa_sample(0.0))
     assert not torch.equal(sa_sample(0.4, seed=1), sa_sample(0.4, seed=2))
+
+
+def test_sde_sample_is_eulers_ode_or_the_flow_sde_step_by_step():
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(6)
+    sigmas, velocity = scheduler.sigmas.float(), gaussian_velocity(3)
+    noise = torch.randn(3, 1, 2, 2, generator=torch.Generator().manual_seed(0))
+    # 'ode': eval's Euler sampler, whatever the noise level; the generator is never drawn from
+    gen = torch.Generator().manual_seed(5)
+    assert torch.equal(sde_sample(velocity, noise, sigmas, "ode", 0.7, gen),
+                       ode_sample(velocity, noise, sigmas))
+    assert torch.equal(gen.get_state(), torch.Generator().manual_seed(5).get_state())
+    # 'flow': sde.py's Flow-GRPO step at every step, drawing from the generator in order
+    sample = sde_sample(velocity, noise, sigmas, "flow", 0.7, torch.Generator().manual_seed(1))
+    gen, x = torch.Generator().manual_seed(1), noise
+    for i in range(6):
+        x = sde_step(velocity(x, sigmas[i]), x, sigmas[i], sigmas[i + 1], "flow", 0.7,
+                     generator=gen, second_sigma=sigmas[1])[0]
+    assert torch.equal(sample, x)
+    other = sde_sample(velocity, noise, sigmas, "flow", 0.7, torch.Generator().manual_seed(2))
+    assert not torch.equal(sample, other)
 
 
 # ---- end to end ----------------------------------------------------------------------------

@@ -15,10 +15,12 @@ SCRIPT = "nft_sd35.py"
 
 
 def policy_loss(v, v_old, x0, xt, t, advantages, beta, adv_clip=5.0):
-    """nft_loss's policy term alone: no KL, no accumulation."""
-    loss, policy, kl = nft_loss(v, v_old, None, x0, xt, t, advantages, beta, adv_clip, 0.0, 1)
-    assert kl.item() == 0.0 and torch.equal(loss, policy)
-    return policy
+    """nft_loss's policy term alone (its loss to backward: no KL, no accumulation)."""
+    loss, stats = nft_loss(v=v, v_old=v_old, v_ref=None, x0=x0, xt=xt, t=t,
+                           advantages=advantages, beta=beta, adv_clip=adv_clip, kl_beta=0.0,
+                           accum_steps=1)
+    assert stats["kl"] == 0.0 and loss.item() == stats["policy_loss"]
+    return loss
 
 
 # ---- units ---------------------------------------------------------------------------------
@@ -36,10 +38,12 @@ def test_nft_loss_by_hand():
         assert loss.item() == pytest.approx(5.0 * (r * pos + (1 - r) * neg) / beta, rel=1e-6)
     # the KL to the base, mean((v - v_ref)^2) = mean(4, 0) = 2, and the accumulation scale
     v_ref, adv = torch.zeros(1, 2), torch.tensor([-2.5])
-    loss, policy, kl = nft_loss(v, v_old, v_ref, x0, xt, t, adv, beta, 5.0, 0.1, 4)
-    assert kl.item() == 2.0
-    assert policy.item() == pytest.approx(5.0 * (0.25 * pos + 0.75 * neg) / beta, rel=1e-6)
-    assert loss.item() == pytest.approx((policy.item() + 0.1 * 2.0) / 4, rel=1e-6)
+    loss, stats = nft_loss(v=v, v_old=v_old, v_ref=v_ref, x0=x0, xt=xt, t=t, advantages=adv,
+                           beta=beta, adv_clip=5.0, kl_beta=0.1, accum_steps=4)
+    assert stats["kl"] == 2.0
+    assert stats["policy_loss"] == pytest.approx(5.0 * (0.25 * pos + 0.75 * neg) / beta, rel=1e-6)
+    assert loss.item() == pytest.approx((stats["policy_loss"] + 0.1 * 2.0) / 4, rel=1e-6)
+    assert stats["old_deviate"] == 2.0  # mean((v - v_old)^2) = mean(4, 0)
 
 
 def test_nft_loss_batch_mean_and_error_floor():
@@ -74,6 +78,9 @@ def test_old_decay_schedules():
     assert old_decay(10_000, 1) == 0.5
     assert old_decay(74, 2) == 0.0 and old_decay(75, 2) == 0.0
     assert old_decay(95, 2) == pytest.approx(0.15) and old_decay(10_000, 2) == 0.999
+    # the caps, where old_decay's comments say: 0.5 from step 500, 0.999 from step 209
+    assert old_decay(499, 1) < 0.5 and old_decay(500, 1) == 0.5
+    assert old_decay(208, 2) < 0.999 and old_decay(209, 2) == 0.999
 
 
 def test_dpm_sample_is_exact_on_straight_lines():
