@@ -53,7 +53,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
-from grpo_sd35 import (LORA_TARGETS, adapters_disabled, decode,  # noqa: E402
+from grpo_sd35 import (LORA_TARGETS, Text, adapters_disabled, decode,  # noqa: E402
                        predict_velocity, rollout)
 from sde import sde_step  # noqa: E402
 
@@ -327,32 +327,36 @@ def setup(args, device, base_dtype):
 def make_steps(args, S):
     """The three measured calls, reading the current S (rollout writes S.latents and S.old_lp)."""
     tr, autocast, g = S.tr, S.autocast, args.guidance_scale
+    text, negative = Text(S.embeds, S.pooled), Text(*S.neg)
+
+    def velocity(x, sigma, guidance_scale=g):
+        with autocast:
+            return predict_velocity(tr, x, sigma, text, negative, guidance_scale)
 
     def ours():
-        S.latents, S.old_lp = rollout(tr, S.noise, S.sigmas, "flow", 0.7, S.embeds, S.pooled,
-                                      *S.neg, g, autocast, S.gen)[:2]
+        window = (0, len(S.sigmas) - 1)
+        out = rollout(velocity, S.noise, S.sigmas, window, "flow", 0.7, S.gen)
+        S.latents, S.old_lp = out.latents, out.log_probs
         return decode(S.pipe.vae, S.latents[:, -1])
 
     def grpo_step():
         latents, sigmas = S.latents, S.sigmas
-        with autocast:
-            v = predict_velocity(tr, latents[:, 0], sigmas[0], S.embeds, S.pooled, *S.neg, g)
+        v = velocity(latents[:, 0], sigmas[0])
         _, lp, mean, _ = sde_step(v, latents[:, 0], sigmas[0], sigmas[1], "flow", 0.7,
                                   prev_sample=latents[:, 1], second_sigma=sigmas[1])
-        with torch.no_grad(), adapters_disabled(tr), autocast:
-            v_ref = predict_velocity(tr, latents[:, 0], sigmas[0], S.embeds, S.pooled, *S.neg, g)
+        with torch.no_grad(), adapters_disabled(tr):
+            v_ref = velocity(latents[:, 0], sigmas[0])
         loss = -torch.exp(lp - S.old_lp[:, 0]).mean() + ((v - v_ref) ** 2).mean()
         loss.backward()
         return lp
 
     def forward_process_step():
         xt = 0.5 * S.latents[:, -1] + 0.5 * S.noise
-        with torch.no_grad(), autocast:
-            v_old = predict_velocity(tr, xt, 0.5, S.embeds, S.pooled, *S.neg, 1.0)
+        with torch.no_grad():
+            v_old = velocity(xt, 0.5, 1.0)
             with adapters_disabled(tr):
-                v_ref = predict_velocity(tr, xt, 0.5, S.embeds, S.pooled, *S.neg, 1.0)
-        with autocast:
-            v = predict_velocity(tr, xt, 0.5, S.embeds, S.pooled, *S.neg, 1.0)
+                v_ref = velocity(xt, 0.5, 1.0)
+        v = velocity(xt, 0.5, 1.0)
         (((v - v_old) ** 2).mean() + ((v - v_ref) ** 2).mean()).backward()
         return (v.detach() - v_old).abs().max()  # on-policy: the same weights with and without grad
 

@@ -19,9 +19,11 @@ SHARED = ["Text", "fail", "check_ranges", "check_args", "load_prompts", "all_gat
           "rank_mean", "clock", "check_finite"]
 # Functions and classes that dance_grpo_flux.py defines for FLUX in its own way; every other
 # top-level name two scripts share is one verbatim copy.
+# (Text: FLUX's are T5 tokens and a pooled CLIP-L; swapped: FSDP2 reads its own shards, so
+# dance copies in place where the LoRA scripts swap storage.)
 FLUX_OWN = {"Args", "ALGO_LIMITS", "check_args", "encode", "predict_velocity", "decode",
             "save_checkpoint", "optimizer_step", "rollout", "grpo_loss", "Rollout",
-            "LORA_TARGETS", "STATE_FLAGS", "LIMITS"}
+            "LORA_TARGETS", "STATE_FLAGS", "LIMITS", "Text", "swapped"}
 # ALGO LOGIC names that differ between SD3.5 scripts by design
 ALGO_OWN = {"Args", "ALGO_LIMITS", "rollout", "Rollout"}
 SHARED_TAG, ALGO_TAG = "# TRY NOT TO MODIFY:", "# ALGO LOGIC:"
