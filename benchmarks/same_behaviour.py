@@ -577,7 +577,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with ThreadPoolExecutor(max_workers=options.jobs) as pool:
         list(pool.map(one, jobs))
-    print(f"{results.count(True)} of {len(results)} the same")
+    done = "with reference outputs" if options.reference_only else "the same"
+    print(f"{results.count(True)} of {len(results)} {done}")
     return 0 if all(results) else 1
 
 
