@@ -373,9 +373,12 @@ def diff_file(a: Path, b: Path, name: str) -> list[str]:
 
 
 def output_files(run_dir: Path) -> list[str]:
-    """The run's files relative to it, a DCP directory (dcp/) counted as one."""
+    """The run's files relative to it, a DCP directory (dcp/) counted as one; metrics.jsonl
+    first, then the eval sheets, then the checkpoints (the first difference is the most
+    readable one)."""
     names = []
-    for path in sorted(run_dir.rglob("*")):
+    for path in sorted(run_dir.rglob("*"), key=lambda path: (
+            path.name != "metrics.jsonl", path.suffix != ".png", path)):
         relative = path.relative_to(run_dir)
         if path.is_file() and "dcp" not in relative.parts[:-1]:
             names.append(str(relative))
