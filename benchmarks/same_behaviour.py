@@ -30,6 +30,7 @@ Runs use one thread each (OMP_NUM_THREADS=1), HF_HUB_OFFLINE=1, WANDB_MODE=disab
 import argparse
 import contextlib
 import dataclasses
+import fcntl
 import fnmatch
 import hashlib
 import json
@@ -458,9 +459,10 @@ def resolve_tree(spec: str, cache: Path) -> tuple[Path, str]:
         return tree, "dir-" + digest.hexdigest()[:12]
     commit = git("rev-parse", "--verify", "--quiet", f"{spec}^{{commit}}")
     tree = cache / "trees" / commit[:12]
-    if not (tree / "grpo_sd35.py").is_file():
-        git("worktree", "prune")
-        git("worktree", "add", "--detach", str(tree), commit)
+    with locked(cache / "trees.lock"):
+        if not (tree / "grpo_sd35.py").is_file():
+            git("worktree", "prune")
+            git("worktree", "add", "--detach", str(tree), commit)
     return tree, commit[:12]
 
 
@@ -468,9 +470,10 @@ def tiny_models(cache: Path) -> dict[str, str]:
     """tests/tiny.py's random SD3 and FLUX pipelines, built once into the cache."""
     models = cache / "models"
     paths = {"sd3": str(models / "tiny-sd3"), "flux": str(models / "tiny-flux")}
-    if not all(Path(path, "model_index.json").is_file() for path in paths.values()):
-        subprocess.run([sys.executable, "tests/tiny.py", str(models)], cwd=REPO, check=True,
-                       env=script_env(REPO), capture_output=True)
+    with locked(cache / "models.lock"):
+        if not all(Path(path, "model_index.json").is_file() for path in paths.values()):
+            subprocess.run([sys.executable, "tests/tiny.py", str(models)], cwd=REPO,
+                           check=True, env=script_env(REPO), capture_output=True)
     return paths
 
 
@@ -480,20 +483,32 @@ def signature(config: Config, nproc: int, models: dict) -> dict:
             "models": models}
 
 
+@contextlib.contextmanager
+def locked(path: Path, shared: bool = False):
+    """A lock file next to a cache entry: checks running at once (several sessions may share a
+    cache) run a missing reference once, and never read one while it is being written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as file:
+        fcntl.flock(file, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        yield
+
+
 def check_one(job: tuple, options, trees: dict, models: dict) -> tuple[bool, str]:
     """Reference (cached) and candidate runs of one configuration; (same?, report line)."""
     script, name, nproc = job
     config = CONFIGS[script][name]
     part = Path(script[: -len(".py")], name, f"np{nproc}")
     ref_root = options.cache / "reference" / trees["reference"][1] / part
+    ref_lock = ref_root.with_name(ref_root.name + ".lock")
     done, wanted = ref_root / "done.json", signature(config, nproc, models)
-    cached = json.loads(done.read_text()) if done.is_file() else None
-    if options.rerun_reference or not cached or cached["signature"] != wanted:
-        shutil.rmtree(ref_root, ignore_errors=True)
-        runs = run_config(trees["reference"][0], script, config, nproc, ref_root, models,
-                          options.timeout)
-        cached = {"signature": wanted, "runs": runs}
-        done.write_text(json.dumps(cached, indent=1))
+    with locked(ref_lock):
+        cached = json.loads(done.read_text()) if done.is_file() else None
+        if options.rerun_reference or not cached or cached["signature"] != wanted:
+            shutil.rmtree(ref_root, ignore_errors=True)
+            runs = run_config(trees["reference"][0], script, config, nproc, ref_root, models,
+                              options.timeout)
+            cached = {"signature": wanted, "runs": runs}
+            done.write_text(json.dumps(cached, indent=1))
     ref_runs = cached["runs"]
     ref_seconds = sum(run["seconds"] for run in ref_runs)
     line = f"{script:19} {name:20} np{nproc}  "
@@ -503,10 +518,14 @@ def check_one(job: tuple, options, trees: dict, models: dict) -> tuple[bool, str
     if options.reference_only:
         return True, line + f"reference ready ({ref_seconds:.0f} s)"
     cand_root = options.cache / "candidate" / trees["candidate"][1] / part
-    cand_runs = run_config(trees["candidate"][0], script, config, nproc, cand_root, models,
-                           options.timeout)
-    found, notes = compare(config, (trees["reference"][0], ref_root),
-                           (trees["candidate"][0], cand_root), (ref_runs, cand_runs))
+    with locked(cand_root.with_name(cand_root.name + ".lock")):
+        cand_runs = run_config(trees["candidate"][0], script, config, nproc, cand_root,
+                               models, options.timeout)
+        with locked(ref_lock, shared=True):
+            if json.loads(done.read_text()) != cached:
+                return False, line + "ERROR: the reference was re-run meanwhile; check again"
+            found, notes = compare(config, (trees["reference"][0], ref_root),
+                                   (trees["candidate"][0], cand_root), (ref_runs, cand_runs))
     if options.strict_stdout:
         found, notes = found + notes, []
     seconds = sum(run["seconds"] for run in cand_runs)
