@@ -1,28 +1,19 @@
-"""Reverse-time step math shared by every script in this repo (pure functions, no models):
-SDE steps, SDE windows, trust regions on a step's Gaussian, and the group advantages.
+"""Reverse-time step math shared by every script (pure functions, no models): SDE steps, which
+steps are SDE steps, trust regions on a step's Gaussian, an ODE solver, group advantages.
 
 Conventions, stated once:
-- Time is the flow-matching noise level sigma in [0, 1]:
-  sigma = 1 is pure noise, sigma = 0 is data.
-- Forward process: x_sigma = (1 - sigma) * x0 + sigma * eps, with eps ~ N(0, I).
-- The transformer predicts the velocity v ~= eps - x0, so
-  x0_hat = x - sigma * v and eps_hat = x + (1 - sigma) * v.
-  SD3 takes the timestep input 1000 * sigma; FLUX takes sigma itself
-  (the diffusers pipeline multiplies by 1000 inside).
-- Sampling runs from sigma = 1 down to 0: dt = sigma_next - sigma < 0.
-- Log-probs are AVERAGED over all non-batch elements (channels, height,
-  width, or packed tokens), as upstream Flow-GRPO
-  (`flow_grpo/diffusers_patch/sd3_sde_with_logprob.py`) and DanceGRPO
-  (`train_grpo_flux.py::flux_step`) do. A PPO ratio exp(logp_new - logp_old)
-  is therefore the per-element geometric mean of the true density ratio,
-  which is why the scripts' clip ranges are tiny (~1e-4). The log-prob of an
-  i.i.d. latent does not grow with resolution.
-- All math runs in float32 whatever the input dtype
-  (bf16 overflows in the squared terms).
-
-`sde_step(..., prev_sample=None)` samples a step; passing `prev_sample`
-scores that given next latent instead (the contract of ddpo-pytorch and
-flow_grpo), so sampling and then scoring the same draw gives the same log-prob.
+- Time is the flow-matching noise level sigma in [0, 1] (1: pure noise, 0: data), and
+  x_sigma = (1 - sigma) x0 + sigma eps, eps ~ N(0, I). Sampling runs from 1 down to 0:
+  dt = sigma_next - sigma < 0.
+- The transformer predicts the velocity v ~= eps - x0: x0_hat = x - sigma v and
+  eps_hat = x + (1 - sigma) v. SD3 takes the timestep 1000 sigma, FLUX sigma itself.
+- Log-probs are AVERAGED over all non-batch elements, as upstream Flow-GRPO
+  (`flow_grpo/diffusers_patch/sd3_sde_with_logprob.py`) and DanceGRPO (`flux_step`) do: a PPO
+  ratio is the per-element geometric mean of the density ratio (hence clip ranges ~1e-4), and
+  the log-prob of an i.i.d. latent does not grow with resolution.
+- All math runs in float32 whatever the input dtype (bf16 overflows in the squared terms).
+- `sde_step(..., prev_sample=None)` samples a step; a given `prev_sample` is scored instead
+  (ddpo-pytorch's and flow_grpo's contract): sampling then scoring a draw gives one log-prob.
 """
 
 import math
@@ -41,10 +32,7 @@ def _per_sample(value: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor
     return value.reshape(-1, *singleton_dims)
 
 def _mean_over_elements(tensor: torch.Tensor) -> torch.Tensor:
-    """(B, ...) -> (B,): the mean over every non-batch dimension.
-
-    This is the log-prob reduction of the whole repo (see the conventions above).
-    """
+    """(B, ...) -> (B,): the mean over every non-batch dimension (the repo's reduction)."""
     return tensor.mean(dim=tuple(range(1, tensor.ndim)))
 
 def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
@@ -56,17 +44,11 @@ def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
 
 def flow_sigma_t(sigma: float | torch.Tensor, noise_level: float,
                  second_sigma: float | torch.Tensor | None = None) -> torch.Tensor:
-    """Flow-GRPO's diffusion coefficient sigma_t = a * sqrt(sigma / (1 - sigma)).
-
-    arXiv:2505.05470 Eq. 9, with a = noise_level. At sigma == 1 the
-    denominator would vanish, so there (and only there) it uses
-    1 - second_sigma instead: upstream passes the schedule's second sigma
-    (`sigmas[1]`), under the misleading name sigma_max.
-
-    Returned without the sqrt(-dt) factor, like upstream's `std_dev_t`:
-    the Flow-GRPO KL divides by 2 * sigma_t**2 of exactly this value.
-    Shape: like `sigma`, float32.
-    """
+    """Flow-GRPO's diffusion coefficient sigma_t = a sqrt(sigma / (1 - sigma)) (arXiv:2505.05470
+    Eq. 9, a = noise_level); at sigma == 1 (only there) the denominator is 1 - second_sigma:
+    upstream passes the schedule's second sigma (`sigmas[1]`), misleadingly named sigma_max.
+    Without the sqrt(-dt), like upstream's `std_dev_t` (its KL divides by 2 sigma_t^2 of
+    exactly this). Shape: like `sigma`, float32."""
     sigma = torch.as_tensor(sigma, dtype=torch.float32)
     at_pure_noise = sigma >= 1
     denominator_sigma = sigma
@@ -79,10 +61,8 @@ def flow_sigma_t(sigma: float | torch.Tensor, noise_level: float,
     return noise_level * torch.sqrt(sigma / (1 - denominator_sigma))
 
 def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """Isotropic Gaussian log-density of x, constants kept; (B, ...) -> (B,).
-
-    Averaged over the non-batch elements (the repo's reduction).
-    """
+    """Isotropic Gaussian log-density of x, constants kept, a mean over elements; (B, ...) ->
+    (B,)."""
     squared_error = (x - mean) ** 2
     log_density = -squared_error / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)
     return _mean_over_elements(log_density)
@@ -91,41 +71,25 @@ def sde_step(v: torch.Tensor, x: torch.Tensor, sigma: float | torch.Tensor,
              sigma_next: float | torch.Tensor, kind: StepKind, noise_level: float,
              prev_sample: torch.Tensor | None = None, generator: torch.Generator | None = None,
              second_sigma: float | torch.Tensor | None = None):
-    """One reverse step from sigma to sigma_next.
+    """One reverse step from sigma to sigma_next -> (prev_sample, log_prob, mean, std), float32.
 
-    Returns (prev_sample, log_prob, mean, std), all float32.
-
-    v, x: (B, ...) velocity prediction and current latent, any float dtype.
-    sigma, sigma_next: floats or (B,) tensors.
-    prev_sample: None draws noise with `generator` and samples the step;
-      a given tensor is scored instead.
-    log_prob: (B,), the mean over elements.
-    std: (B, 1, ...), the standard deviation of the Gaussian the step
-      samples from (0 for 'ode').
-
-    Step kinds:
-    - 'flow': Flow-GRPO's SDE (arXiv:2505.05470 Eq. 8-9; flow_grpo
-      `sde_step_with_logprob`, sde_type='sde'):
-        mean = x + [v + sigma_t^2 / (2 sigma) * (x + (1 - sigma) v)] dt
-        std = sigma_t * sqrt(-dt)
-    - 'dance': DanceGRPO's SDE (arXiv:2505.07818; DanceGRPO
-      `train_grpo_flux.py::flux_step`, sde_solver=True), with the constant
-      diffusion eta = noise_level:
-        mean = x + dt v + eta^2 / 2 * (x - (1 - sigma) x0_hat) / sigma^2 * dt
-        std = eta * sqrt(-dt)
-    - 'cps': coefficient-preserving sampling (arXiv:2509.05952; flow_grpo
-      sde_type='cps'):
-        std = sigma_next * sin(noise_level * pi / 2)
-        mean = (1 - sigma_next) x0_hat + sqrt(sigma_next^2 - std^2) eps_hat
-      Its log_prob is -mean((x' - mean)^2) EXACTLY as upstream: the constants
-      AND the 1 / (2 std^2) are dropped, so the PPO clip range tuned upstream
-      for CPS (1e-5) carries over; it is not a normalised density. At std = 0
-      (sigma_next = 0) a given prev_sample still gets this log_prob and its
-      gradient, so a trained last step learns.
-    - 'ode': Euler, mean = x + v dt, prev_sample = mean, log_prob = 0, std = 0.
-
-    A step whose std is 0 ('ode', or noise_level 0) is deterministic:
-    prev_sample = mean and log_prob = 0 (except for 'cps', above).
+    v, x: (B, ...) velocity and latent, any float dtype; sigma, sigma_next: floats or (B,).
+    prev_sample None: draw noise with `generator`, sample the step; a tensor: score it.
+    log_prob: (B,), a mean over elements. std: (B, 1, ...), of the step's Gaussian.
+    Kinds:
+    - 'flow': Flow-GRPO's SDE (arXiv:2505.05470 Eq. 8-9; flow_grpo `sde_step_with_logprob`):
+        mean = x + [v + sigma_t^2 / (2 sigma) (x + (1 - sigma) v)] dt, std = sigma_t sqrt(-dt)
+    - 'dance': DanceGRPO's (arXiv:2505.07818; `train_grpo_flux.py::flux_step`, sde_solver),
+      constant diffusion eta = noise_level:
+        mean = x + dt v + eta^2 / 2 (x - (1 - sigma) x0_hat) / sigma^2 dt, std = eta sqrt(-dt)
+    - 'cps': coefficient-preserving sampling (arXiv:2509.05952; flow_grpo sde_type='cps'):
+        std = sigma_next sin(a pi / 2), mean = (1 - sigma_next) x0_hat
+        + sqrt(sigma_next^2 - std^2) eps_hat; log_prob = -mean((x' - mean)^2) EXACTLY as
+      upstream (no constants, no 1 / (2 std^2): its clip range 1e-5 carries over), also at
+      std = 0 (sigma_next = 0), where a given prev_sample keeps its gradient.
+    - 'ode': Euler, mean = x + v dt.
+    A step with std 0 ('ode', noise_level 0) is deterministic: prev_sample = mean and
+    log_prob = 0 (except 'cps', above).
     """
     v, x = v.float(), x.float()
     sigma = _per_sample(sigma, x)
