@@ -19,6 +19,7 @@ Conventions, stated once:
 import math
 from typing import Literal
 
+import numpy as np
 import torch
 
 StepKind = Literal["flow", "dance", "cps", "ode"]
@@ -163,7 +164,7 @@ def compute_advantages(rewards, components, weights, group_ids, aggregation, per
                  for name, weight in weights.items())
     return (summed - summed.mean()) / (summed.std(unbiased=False) + 1e-4)
 
-# ---- Which steps are SDE steps, and trust regions on a step's Gaussian ----
+# ---- Which steps are SDE steps ----
 def sde_window(size: int, window_range, num_steps: int, generator, epoch: int = 0,
                shift_every: int | None = None, stride: int = 1) -> tuple[int, int]:
     """The steps [start, start + size) a rollout samples by SDE, the ODE elsewhere (size 0:
@@ -184,17 +185,39 @@ def sde_window(size: int, window_range, num_steps: int, generator, epoch: int = 
         start = low + (epoch // shift_every) % positions * stride
     return start, start + size
 
+def sde_steps(count: int, step_range, key) -> list[int]:
+    """`count` distinct steps of [A, B), sorted: UniRL's AllSDEScheduler (unirl/utils/
+    scheduler_utils.py; its Flow-DPPO recipe), independent steps, not a window. Drawn as it
+    draws them, numpy's default_rng(key).choice: key = its rollout id (our epoch) gives its
+    steps exactly, on every rank and for every seed."""
+    pool = list(range(*step_range))
+    rng = np.random.default_rng(key)
+    chosen = rng.choice(pool, count, replace=False)
+    return sorted(int(i) for i in chosen)
+
+# ---- Trust regions on a step's Gaussian ----
 def step_kl(mean: torch.Tensor, other_mean: torch.Tensor, std) -> torch.Tensor:
     """KL of two Gaussian steps with the same std: (B, ...) -> (B,), the mean over elements of
     (mean - other_mean)^2 / (2 std^2): the exact KL over the element count (the repo's
-    reduction; Flow-DPPO's threshold is calibrated for it)."""
+    reduction; Flow-DPPO's threshold is calibrated for it). std: a float, (B,) or (B, 1, ...)."""
+    std = _per_sample(std, mean)
     return _mean_over_elements((mean.float() - other_mean.float()) ** 2 / (2 * std**2))
+
+def dppo_kl_std(sigma, sigma_next, noise_level: float) -> torch.Tensor:
+    """The std of Flow-DPPO's KL as UniRL computes it (unirl/algorithms/flowdppo.py,
+    _compute_sigma_t): a sqrt(s / (1 - min(s, 0.99))) sqrt(-dt) at EVERY step. It is the
+    'flow' step's std except at sigma = 1 (1.32 there on UniRL's 10-step grid, vs 0.70)."""
+    s = torch.as_tensor(sigma, dtype=torch.float32)
+    dt = torch.as_tensor(sigma_next, dtype=torch.float32) - s
+    std_t = torch.sqrt(s / (1 - s.clamp(max=0.99)))
+    return std_t * noise_level * torch.sqrt(-dt)
 
 def dppo_keep(ratio, advantages, kl, threshold: float) -> torch.Tensor:
     """Flow-DPPO's trust region (arXiv:2606.11025; Tencent-Hunyuan/UniRL,
     unirl/algorithms/flowdppo.py): a step's term -A ratio is dropped only where its KL to the
     rollout's step is >= threshold AND it pushes further the way the advantage points
-    (ratio > 1 with A > 0, ratio < 1 with A < 0); corrective moves always stay. (B,) bool."""
+    (ratio > 1 with A > 0, ratio < 1 with A < 0); corrective moves always stay. (B,) bool.
+    UniRL clips no advantage: pass them unclipped."""
     aggressive = ((ratio > 1) & (advantages > 0)) | ((ratio < 1) & (advantages < 0))
     return ~((kl >= threshold) & aggressive)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sde import (dppo_keep, flow_sigma_t, gaussian_log_prob, sde_step, sde_window, shift_sigmas,
-                 step_kl)
+from sde import (dppo_keep, dppo_kl_std, flow_sigma_t, gaussian_log_prob, ratio_norm_log_ratio,
+                 sde_step, sde_steps, sde_window, shift_sigmas, step_kl)
 
 SHAPE = (2, 3, 4, 4)  # (B, C, H, W)
 BATCH = SHAPE[0]
@@ -286,3 +286,138 @@ def test_sliding_window_follows_mixgrpo(window_range, shift_every, stride, expec
         assert window == (start, start + 4), epoch
     # our rule starts over once the last full window is passed (upstream's would shrink)
     assert sde_window(4, (0, 23), 25, None, 500, 25, 1) == (0, 4)
+
+
+# ---- Issue 41: the 2026 recipes as upstream runs them ----
+# Golden numbers below were produced by copying upstream's own functions into a scratch folder
+# outside this repository (with stubs for their package imports), running them on the inputs
+# written here, and pasting their outputs; torch 2.13.0 (CPU), numpy 2.4.6, diffusers 0.42.1.
+# UniRL: Tencent-Hunyuan/UniRL@1a7b501; MixGRPO: Tencent-Hunyuan/MixGRPO@e5cdd6a.
+UNIRL_GRID = [1.0, 0.964285671710968, 0.9230769872665405, 0.8749999403953552, 0.8181818127632141,
+              0.75, 0.6666666865348816, 0.5625, 0.4285714626312256, 0.25, 0.0]
+
+
+def unirl_grid() -> torch.Tensor:
+    return shift_sigmas(torch.linspace(1, 0, 11), 3.0)
+
+
+def test_unirl_sd3_grid_is_shifted_uniform():
+    """UniRL's SD3 sigma grid (unirl/sde/runtime.py get_sigma_schedule(10, shift=3.0), static
+    branch), printed: shift(linspace(1, 0, 11)), not diffusers' SD3 grid (whose second-to-last
+    sigma is 0.0089, UniRL's 0.25)."""
+    assert unirl_grid().tolist() == UNIRL_GRID
+
+
+def test_dppo_kl_std_is_unirls_at_every_step():
+    """UniRL's FlowDPPO._compute_sigma_t (unirl/algorithms/flowdppo.py), called unbound on a
+    segment with these sigmas, eta 0.7, all 10 steps of UniRL's grid; then steps 0-4 of
+    diffusers' SD3 grid (FlowMatchEulerDiscreteScheduler(shift=3).set_timesteps(10))."""
+    want = [1.322877049446106, 0.7383700013160706, 0.5316891074180603, 0.4414590299129486,
+            0.3877381682395935, 0.34999993443489075, 0.31950485706329346, 0.29047369956970215,
+            0.2561738193035126, 0.20207259058952332]
+    grid = unirl_grid()
+    got = dppo_kl_std(grid[:-1], grid[1:], 0.7)
+    assert torch.allclose(got, torch.tensor(want), rtol=1e-6, atol=0)
+    x = torch.zeros(1, 4)  # the step's own std: equal from step 1 on, 0.70 at step 0
+    stds = [sde_step(x, x, grid[i], grid[i + 1], "flow", 0.7, second_sigma=grid[1])[3].item()
+            for i in range(10)]
+    assert stds[0] == pytest.approx(0.7, abs=1e-6)
+    assert stds[1:] == pytest.approx(want[1:], rel=1e-6)
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(10)
+    diffusers_grid = scheduler.sigmas.float()
+    got = dppo_kl_std(diffusers_grid[:5], diffusers_grid[1:6], 0.7)
+    want = [1.3977357149124146, 0.7429640889167786, 0.5361523032188416, 0.4458971321582794,
+            0.39179420471191406]
+    assert torch.allclose(got, torch.tensor(want), rtol=1e-6, atol=0)
+
+
+def dppo_terms(d, log_ratio, advantage, sigma_t, threshold):
+    """Our mask and loss terms over (B, steps) with mu_old 0, mu_new = d on a 1x2x2 latent."""
+    terms, keeps = [], []
+    for k in range(d.shape[1]):
+        mean = d[:, k].view(-1, 1, 1, 1).expand(-1, 1, 2, 2)
+        kl = step_kl(mean, torch.zeros_like(mean), sigma_t[k])
+        ratio = log_ratio[:, k].exp()
+        keep = dppo_keep(ratio, advantage, kl, threshold)
+        keeps.append(keep)
+        terms.append(torch.where(keep, -advantage * ratio, 0.0))
+    return torch.stack(terms, 1), torch.stack(keeps, 1)
+
+
+def test_dppo_golden_step_0_and_3_with_unclipped_advantages():
+    """UniRL's _flowdppo_kl_adv_loss (unirl/algorithms/flowdppo.py) run on B 6, steps 0 and 3 of
+    UniRL's grid, sigma_t from its _compute_sigma_t (eta 0.7), mu_old 0, mu_new = d on a
+    (1, 2, 2) latent, old log-prob 0, new = log_ratio, these advantages (two |A| > 5: UniRL
+    clips none), tau 1e-5: its loss_per_elem, pasted. grpo_loss must therefore take -A ratio
+    with the raw A under dppo (clamping to 5 changes the mean by 0.30)."""
+    d = torch.tensor([[2e-3, 2e-3], [4e-3, 1e-3], [1e-3, 8e-4], [3.5e-3, 5e-4], [6e-3, 1e-3],
+                      [5e-4, 2e-3]])
+    log_ratio = torch.tensor([[.05, -.05], [.1, .1], [-.1, .2], [-.05, -.05], [.2, -.1],
+                              [.1, .1]])
+    advantage = torch.tensor([1.0, 7.5, -1.0, -6.0, 0.5, -0.5])
+    want = torch.tensor([[-1.0512710809707642, -0.951229453086853],
+                         [-8.288782119750977, -8.288782119750977],
+                         [0.904837429523468, 1.2214027643203735],
+                         [5.707376480102539, 5.707376480102539],
+                         [0.0, -0.452418714761734],
+                         [0.5525854825973511, 0.5525854825973511]])
+    grid = unirl_grid()
+    sigma_t = dppo_kl_std(grid[[0, 3]], grid[[1, 4]], 0.7)
+    terms, keep = dppo_terms(d, log_ratio, advantage, sigma_t, 1e-5)
+    assert torch.allclose(terms, want, rtol=1e-6, atol=0)
+    assert terms.mean().item() == pytest.approx(-0.3655266761779785, rel=1e-6)
+    clamped, _ = dppo_terms(d, log_ratio, advantage.clamp(-5, 5), sigma_t, 1e-5)
+    assert clamped.mean().item() - terms.mean().item() == pytest.approx(0.302, abs=1e-3)
+    # with the step's own std at step 0 (0.70, our former sigma there) two samples flip to
+    # dropped: 7.5 and -6.0 push further with a KL 3.6x larger
+    own_std = torch.stack([torch.tensor(0.7), sigma_t[1]])
+    _, own_keep = dppo_terms(d, log_ratio, advantage, own_std, 1e-5)
+    assert (own_keep != keep).nonzero().tolist() == [[1, 0], [3, 0]]
+
+
+def test_dppo_ratio_exactly_one_and_kl_exactly_tau():
+    """UniRL's _flowdppo_kl_adv_loss on B 4 with KL exactly tau (means 2^-8 apart, sigma_t
+    0.25, tau 2^-13): ratio exactly 1 stays (neither > 1 nor < 1) whatever A; KL == tau counts
+    as high (its keep test is KL < tau); A = +-8 unclipped. Loss [-8, 8, 0, 0]; with tau one
+    step above, [-8, 8, -6.631025791168213, 5.429024696350098]."""
+    mean = torch.full((4, 1, 2, 2), 2.0**-8)
+    kl = step_kl(mean, torch.zeros_like(mean), 0.25)
+    assert kl.tolist() == [2.0**-13] * 4
+    ratio = torch.tensor([0.0, 0.0, 0.1, -0.1]).exp()
+    advantage = torch.tensor([8.0, -8.0, 6.0, -6.0])
+    above = [-8.0, 8.0, -6.631025791168213, 5.429024696350098]
+    for tau, want in [(2.0**-13, [-8.0, 8.0, 0.0, 0.0]), (2.0**-13 * (1 + 2**-20), above)]:
+        keep = dppo_keep(ratio, advantage, kl, tau)
+        got = torch.where(keep, -advantage * ratio, 0.0)
+        assert torch.allclose(got, torch.tensor(want), rtol=1e-7, atol=0)
+
+
+def test_sde_steps_are_unirls_all_sde_scheduler_draws():
+    """UniRL's AllSDEScheduler(10, timestep_fraction=[0.0, 0.5], num_sde_steps=3) (its Flow-DPPO
+    recipe, examples/diffusion/sd3_flowdppo.yaml), get_sde_indices(k) for rollouts k = 0..23,
+    sorted: independent steps of [0, 5); over k < 1000, 306 draws are contiguous (31%)."""
+    want = ("234 123 012 024 234 023 124 234 124 134 123 034 134 234 034 234 124 023 124 134 "
+            "124 013 123 024").split()
+    assert ["".join(map(str, sde_steps(3, (0, 5), k))) for k in range(24)] == want
+    draws = [sde_steps(3, (0, 5), k) for k in range(1000)]
+    assert sum(d[-1] - d[0] == 2 for d in draws) == 306
+    assert sde_steps(5, (0, 5), 7) == [0, 1, 2, 3, 4] and sde_steps(0, (0, 5), 7) == []
+
+
+def test_bf16_means_inflate_the_dppo_kl():
+    """UniRL keeps the step means in bf16 (trajectory_precision; SD3DiffusionStage.replay casts
+    prev_sample_means to it), so its KL reads rounded means. Measured here on N(0, 1) means of
+    SD3's (16, 64, 64) latent at step 3 of UniRL's grid with a true KL of 0.3 tau: the rounded
+    means read 1.04 tau (seed 1: 1.01; steps 0, 1, 2, 4: 0.44, 0.66, 0.88, 1.16). UniRL's
+    _gaussian_kl_div on the same bf16 tensors gives these to 1e-5."""
+    grid = unirl_grid()
+    gen = torch.Generator().manual_seed(0)
+    old, delta = (torch.randn(1, 16, 64, 64, generator=gen) for _ in range(2))
+    std = dppo_kl_std(grid[3], grid[4], 0.7)
+    delta = delta * (0.3e-5 / step_kl(delta, torch.zeros_like(delta), std)).sqrt()
+    new = old + delta
+    assert step_kl(new, old, std).item() == pytest.approx(0.3e-5, rel=1e-4)
+    rounded = step_kl(new.bfloat16(), old.bfloat16(), std).item()
+    assert rounded / 1e-5 == pytest.approx(1.0395, abs=1e-4)
