@@ -166,24 +166,32 @@ def compute_advantages(rewards, components, weights, group_ids, aggregation, per
 
 # ---- Which steps are SDE steps ----
 def sde_window(size: int, window_range, num_steps: int, generator, epoch: int = 0,
-               shift_every: int | None = None, stride: int = 1) -> tuple[int, int]:
-    """The steps [start, start + size) a rollout samples by SDE, the ODE elsewhere (size 0:
-    every step); (A, B) = window_range. Flow-GRPO-Fast (shift_every None): start uniform in
-    {A, ..., B - size}, drawn per call. MixGRPO (Tencent-Hunyuan/MixGRPO,
-    fastvideo/utils/grpo_states.py, GRPOTrainingStates, "progressive" with roll_back): start
-    moves from A by `stride` steps every `shift_every` epochs, and starts over at A after the
-    last window that fits in [A, B); upstream's last windows shrink instead (its default 300
-    iterations never reach them)."""
+               shift_every: int | None = None, stride: int = 1, roll_back: bool = True,
+               full: bool = False) -> tuple[int, int]:
+    """The steps [start, end) a rollout samples by SDE, the ODE elsewhere (size 0: every step).
+    (A, B) = window_range. Flow-GRPO-Fast (shift_every None): start uniform in {A, ..., B -
+    size}, drawn per call. MixGRPO (Tencent-Hunyuan/MixGRPO@e5cdd6a, GRPOTrainingStates in
+    fastvideo/utils/grpo_states.py as train_grpo_flux.py drives it): start = A + stride *
+    (epoch // shift_every) while <= B, then A again (roll_back) or B for good; the window
+    [start, min(start + size, B)) shrinks at the end and is empty at start B (upstream's trainer
+    crashes there). stride 0: fixed at A (MixGRPO-Flash*). full: UniRL's SD3 port
+    (unirl/utils/scheduler_utils.py, WindowScheduler._resolve_progressive): starts stop at
+    B - size, whole windows only."""
     if size == 0:
         return 0, num_steps
     low, high = window_range
     if shift_every is None:
-        start = int(torch.randint(low, high - size + 1, (), generator=generator,
-                                  device=generator.device))
-    else:
-        positions = (high - low - size) // stride + 1
-        start = low + (epoch // shift_every) % positions * stride
-    return start, start + size
+        start = int(torch.randint(low, high - size + 1, (),
+                                  generator=generator, device=generator.device))
+        return start, start + size
+    last = high - size if full else high  # the last start
+    moves = epoch // shift_every * stride
+    if stride and roll_back:  # back to A after the last start
+        moves %= ((last - low) // stride + 1) * stride
+    elif stride and full:  # UniRL stays on its grid
+        moves = min(moves, (last - low) // stride * stride)
+    start = min(low + moves, last)
+    return start, min(start + size, high)
 
 def sde_steps(count: int, step_range, key) -> list[int]:
     """`count` distinct steps of [A, B), sorted: UniRL's AllSDEScheduler (unirl/utils/

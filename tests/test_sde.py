@@ -273,21 +273,6 @@ def test_dppo_golden_case_from_upstreams_rule():
     assert torch.stack(terms).mean().item() == pytest.approx(-0.0744814, abs=1e-6)
 
 
-@pytest.mark.parametrize("window_range,shift_every,stride,expected", [
-    # MixGRPO's scripts: 25 steps (windows in steps [0, 23)), window 4, every 25 iterations,
-    # stride 1: upstream's start floor(k / 25) mod 24 agrees while the window fits (k < 500)
-    ((0, 23), 25, 1, {0: 0, 24: 0, 25: 1, 100: 4, 299: 11, 499: 19}),
-    # UniRL's sd3_mixgrpo: 10 steps, window 4, overlap 1 (stride 3), every 25: it wraps
-    ((0, 10), 25, 3, {0: 0, 25: 3, 50: 6, 75: 0, 1000: 3}),
-])
-def test_sliding_window_follows_mixgrpo(window_range, shift_every, stride, expected):
-    for epoch, start in expected.items():
-        window = sde_window(4, window_range, 25, None, epoch, shift_every, stride)
-        assert window == (start, start + 4), epoch
-    # our rule starts over once the last full window is passed (upstream's would shrink)
-    assert sde_window(4, (0, 23), 25, None, 500, 25, 1) == (0, 4)
-
-
 # ---- Issue 41: the 2026 recipes as upstream runs them ----
 # Golden numbers below were produced by copying upstream's own functions into a scratch folder
 # outside this repository (with stubs for their package imports), running them on the inputs
@@ -421,3 +406,66 @@ def test_bf16_means_inflate_the_dppo_kl():
     assert step_kl(new, old, std).item() == pytest.approx(0.3e-5, rel=1e-4)
     rounded = step_kl(new.bfloat16(), old.bfloat16(), std).item()
     assert rounded / 1e-5 == pytest.approx(1.0395, abs=1e-4)
+
+
+def windows(size, window_range, shift_every, epochs, **kwargs):
+    """Our windows at every epoch < `epochs`, as 'start-end' ('E': empty) per shift interval;
+    None if one differs from its interval's first (upstream's are constant within one)."""
+    got = ["E" if a == b else f"{a}-{b}" for a, b in (
+        sde_window(size, window_range, 25, None, k, shift_every, **kwargs) for k in range(epochs))]
+    per_interval = got[::shift_every]
+    if got != [per_interval[k // shift_every] for k in range(epochs)]:
+        return None
+    return " ".join(per_interval)
+
+
+# MixGRPO's GRPOTrainingStates (fastvideo/utils/grpo_states.py) built as train_grpo_flux.py builds
+# it (max_timesteps = 25 - 2, cur_timestep 0, progressive), get_current_timesteps() then
+# update_iteration() each iteration: its window per shift interval (it is constant within one).
+MIX_SHIPPED = ("0-4 1-5 2-6 3-7 4-8 5-9 6-10 7-11 8-12 9-13 10-14 11-15 12-16 13-17 14-18 15-19 "
+               "16-20 17-21 18-22 19-23 20-23 21-23 22-23 E")
+
+
+@pytest.mark.parametrize("shift_every,epochs,kwargs,want", [
+    # finetune_flux_grpo_MixGRPO.sh: iters 25, window 4, --prog_overlap_step 1 --roll_back, 1200
+    (25, 1200, {"stride": 1}, MIX_SHIPPED + " " + MIX_SHIPPED),
+    # argparse's defaults: no --prog_overlap (stride = the window), no --roll_back, 600
+    (25, 600, {"stride": 4, "roll_back": False}, "0-4 4-8 8-12 12-16 16-20 20-23" + " E" * 18),
+    (25, 600, {"stride": 4}, " ".join(["0-4 4-8 8-12 12-16 16-20 20-23"] * 4)),
+    (25, 700, {"stride": 1, "roll_back": False}, MIX_SHIPPED + " E" * 4),
+    # MixGRPO-Flash (iters 20, overlap step 1) and Flash* (overlap step 0: fixed), 600 and 300
+    (20, 600, {"stride": 1}, MIX_SHIPPED + " 0-4 1-5 2-6 3-7 4-8 5-9"),
+    (20, 300, {"stride": 0}, " ".join(["0-4"] * 15)),
+])
+def test_mixgrpo_windows_are_grpo_training_states(shift_every, epochs, kwargs, want):
+    """Golden windows of MixGRPO's GRPOTrainingStates over every iteration; the empty one (start
+    23) is where upstream's trainer crashes (train_one_step prints an unset `ratio`)."""
+    assert windows(4, (0, 23), shift_every, epochs, **kwargs) == want
+
+
+def test_former_whole_window_rule_differs_from_mixgrpos():
+    """Our former rule (always stride 1, whole windows, wrapped: full=True) against upstream's:
+    700 of 1200 iterations differ with the shipped script's settings, 575 of 600 with argparse's
+    defaults; MixGRPO's own rule on UniRL's SD3 settings would differ in 225 of 300."""
+    def differ(epochs, window_range, a, b):
+        return sum(sde_window(4, window_range, 25, None, k, 25, **a)
+                   != sde_window(4, window_range, 25, None, k, 25, **b) for k in range(epochs))
+
+    former = {"stride": 1, "full": True}
+    assert differ(1200, (0, 23), former, {"stride": 1}) == 700
+    assert differ(600, (0, 23), former, {"stride": 4, "roll_back": False}) == 575
+    assert differ(300, (0, 10), {"stride": 3, "full": True}, {"stride": 3}) == 225
+
+
+def test_unirl_sd3_windows_are_whole():
+    """UniRL's WindowScheduler(10, WindowConfig('progressive', window_size=4, iters_per_window=25,
+    overlap_size=1, roll_back=True)) (examples/diffusion/sd3_mixgrpo.yaml), get_sde_indices(k),
+    k < 300: 0-4 3-7 6-10, four times; with overlap 0 and no roll-back: 0-4, then 4-8 for good."""
+    assert windows(4, (0, 10), 25, 300, stride=3, full=True) == " ".join(["0-4 3-7 6-10"] * 4)
+    assert windows(4, (0, 10), 25, 300, stride=4, roll_back=False, full=True) == (
+        "0-4" + " 4-8" * 11)
+
+
+def test_window_stride_zero_is_a_fixed_window_not_a_division_by_zero():
+    assert {sde_window(4, (0, 23), 25, None, k, 20, stride=0) for k in range(500)} == {(0, 4)}
+    assert sde_window(4, (0, 10), 25, None, 999, 25, stride=0, full=True) == (0, 4)
