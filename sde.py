@@ -235,6 +235,8 @@ def ratio_norm_log_ratio(log_prob, old_log_prob, mean, old_mean, std):
     With x' = old_mean + std eps and dmu = mean - old_mean, the raw log-ratio is
     mean(eps dmu) / std - mean(dmu^2) / (2 std^2): below 0 (the clip rarely stops positive
     advantages), its gradient ~|dt| / std starving high-noise steps. Adding the bias back and
-    scaling by std leaves mean(eps dmu)."""
-    bias = ((mean - old_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std**2)
+    scaling by std leaves mean(eps dmu), plus (the batch's bias - its own) std (below)."""
+    # Upstream's bias is dmu^2.mean(dim=()) of a 1-D log-prob: torch reduces over ALL dims
+    # (pytorch PR #83357), so each sample gets the batch's mean bias. Matched on purpose.
+    bias = ((mean - old_mean) ** 2).mean() / (2 * std**2)
     return (log_prob - old_log_prob + bias) * std

@@ -466,6 +466,78 @@ def test_unirl_sd3_windows_are_whole():
         "0-4" + " 4-8" * 11)
 
 
+def ratio_norm_case(batch, shape, step, seed, moves, per_sample=False):
+    """Flow-GRPO steps (diffusers' SD3 grid, a 0.7): x, v_old, dv ~ seeded N(0, 1), v_new =
+    v_old + moves dv, x' sampled from the old step with the same generator. per_sample: the
+    bias each sample's own (our former form, the paper's intent)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(10)
+    sigmas = scheduler.sigmas.float()
+    gen = torch.Generator().manual_seed(seed)
+    x, v_old, dv = (torch.randn(batch, *shape, generator=gen) for _ in range(3))
+    args = (sigmas[step], sigmas[step + 1], "flow", 0.7)
+    x_next, old_log_prob, old_mean, _ = sde_step(v_old, x, *args, generator=gen,
+                                                 second_sigma=sigmas[1])
+    v = (v_old + dv * torch.tensor(moves).view(-1, *[1] * len(shape))).requires_grad_()
+    _, log_prob, mean, std = sde_step(v, x, *args, prev_sample=x_next, second_sigma=sigmas[1])
+    normed = ratio_norm_log_ratio(log_prob, old_log_prob, mean, old_mean, std.flatten())
+    if per_sample:
+        bias = ((mean - old_mean) ** 2).mean(dim=(1, 2, 3)) / (2 * std.flatten() ** 2)
+        normed = (log_prob - old_log_prob + bias) * std.flatten()
+    return v, normed, sigmas[step] - sigmas[step + 1]
+
+
+@pytest.mark.parametrize("batch,seed,moves,want", [
+    # off-policy, B 4, sample 0 did not move: it gets the batch's bias (0 per sample)
+    (4, 0, [0.0, 0.01, 0.02, 0.03], [2.14785359e-06, -6.62361563e-05, 1.10225417e-04,
+                                     -6.38441779e-05]),
+    (1, 1, [0.001], [1.03987531e-05]),  # batch 1: the batch mean is the sample's own
+    (4, 2, [0.0] * 4, [0.0] * 4),  # on-policy: no bias at all
+])
+def test_ratio_norm_bias_is_the_batch_mean(batch, seed, moves, want):
+    """zhtmike/flow_grpo@9745241 scripts/train_sd3_GRPO_Guard.py, its rationorm lines (ratio =
+    exp((log_prob - old + bias) * sqrt_dt * sigma_t)) run as a function on flow_grpo's
+    sde_step_with_logprob outputs (step 3, shape (4, 2, 2), these seeds and moves): the
+    exponent, pasted. Its bias is a batch mean (mean(dim=()) of a 1-D log-prob). Equal to 1e-7:
+    flow_grpo's step rounds differently from sde_step (its lines on our step's outputs give
+    ours exactly); the per-sample bias would give sample 0 exactly 0."""
+    _, normed, _ = ratio_norm_case(batch, (4, 2, 2), 3, seed, moves)
+    assert torch.allclose(normed, torch.tensor(want), rtol=0, atol=1e-7)
+    _, own, _ = ratio_norm_case(batch, (4, 2, 2), 3, seed, moves, per_sample=True)
+    assert torch.equal(own, normed) == (batch == 1 or max(moves) == 0)
+
+
+def test_ratio_norm_golden_at_upstreams_shapes_with_the_clip_active():
+    """The same upstream lines at its OCR config's shapes: B 9, (16, 64, 64), step 2, clip 2e-6,
+    these advantages, the loss divided by |dt| (its / sqrt_dt^2): exponent, loss and the
+    velocity gradient's norm, pasted. The per-sample bias (our former form) flips the clip
+    decision of samples 0, 1 and 7 and moves the gradient by 67%."""
+    moves = [0.0, 0.01, 0.02, 0.04, 0.06, 0.08, 0.02, 0.0, 0.04]
+    v, normed, dt = ratio_norm_case(9, (16, 64, 64), 2, 3, moves)
+    own_v, own, _ = ratio_norm_case(9, (16, 64, 64), 2, 3, moves, per_sample=True)
+    want = [6.99610337e-06, 4.75910156e-06, 1.15979346e-05, -1.24884502e-06, -4.60434740e-06,
+            -1.32327823e-05, 7.73111788e-06, 6.99610337e-06, -2.97453198e-06]
+    assert torch.allclose(normed, torch.tensor(want), rtol=0, atol=1e-7)
+    ratio = normed.exp()
+    assert ((ratio - 1).abs() > 2e-6).tolist() == [True] * 3 + [False] + [True] * 5
+    advantage = torch.tensor([1.2, -0.7, 0.3, -1.5, 0.9, -0.2, 2.0, -1.1, 0.6])
+    clipped = ratio.clamp(1 - 2e-6, 1 + 2e-6)
+    def ppo_loss(ratio):
+        clipped = ratio.clamp(1 - 2e-6, 1 + 2e-6)
+        return torch.maximum(-advantage * ratio, -advantage * clipped).mean() / dt
+
+    loss = ppo_loss(ratio)
+    loss.backward()
+    assert loss.item() == pytest.approx(-2.994534969329834, rel=1e-6)
+    assert v.grad.norm().item() == pytest.approx(0.0012229623971506953, rel=1e-5)
+    flips = ((ratio - 1).abs() > 2e-6) != ((own.exp() - 1).abs() > 2e-6)
+    assert flips.nonzero().flatten().tolist() == [0, 1, 7]
+    ppo_loss(own.exp()).backward()
+    change = (own_v.grad - v.grad).norm() / v.grad.norm()
+    assert change.item() == pytest.approx(0.670, abs=0.005)
+
+
 def test_window_stride_zero_is_a_fixed_window_not_a_division_by_zero():
     assert {sde_window(4, (0, 23), 25, None, k, 20, stride=0) for k in range(500)} == {(0, 4)}
     assert sde_window(4, (0, 10), 25, None, 999, 25, stride=0, full=True) == (0, 4)
