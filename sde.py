@@ -240,3 +240,33 @@ def ratio_norm_log_ratio(log_prob, old_log_prob, mean, old_mean, std):
     # (pytorch PR #83357), so each sample gets the batch's mean bias. Matched on purpose.
     bias = ((mean - old_mean) ** 2).mean() / (2 * std**2)
     return (log_prob - old_log_prob + bias) * std
+
+# ---- MixGRPO-Flash: DPM-Solver++(2M) after the SDE window ----
+def flash_sigmas(sigmas, end: int, ratio: float, shift: float) -> torch.Tensor:
+    """MixGRPO-Flash's grid (MixGRPO@e5cdd6a fastvideo/utils/sampling_utils.py,
+    run_sample_step, dpm_apply_strategy 'post'): sigmas[:end + 1], then
+    int((T + 1 - end) ratio) points from sigmas[end] to 0 uniform in unshifted time, shifted
+    (end: the window's; T + 1 = len(sigmas)). At least 2 (upstream's 1 stops at sigmas[end])."""
+    s = float(sigmas[end])
+    points = max(int((len(sigmas) - end) * ratio), 2)
+    t = torch.linspace(s / (shift - (shift - 1) * s), 0, points)
+    post = shift_sigmas(t, shift)[1:].to(sigmas)
+    return torch.cat([sigmas[: end + 1], post])
+
+def dpm_step(v, x, sigmas, i: int, x0_prev=None):
+    """Step i (sigmas[i] -> sigmas[i + 1]) of MixGRPO-Flash's ODE solver: DPM-Solver++ in data
+    prediction, 2M 'midpoint' (sampling_utils.py dpm_step, order 2, as its scripts run it);
+    second order with the previous step's x0 (x0_prev, at sigmas[i - 1]), first order (DDIM)
+    without one and into sigma 0. -> (x at sigmas[i + 1], this step's x0 = x - sigma v)."""
+    s = sigmas.float()
+    x = x.float()
+    x0 = x - s[i] * v.float()
+    lam = torch.log(1 - s) - torch.log(s)  # log-SNR
+    h = lam[i + 1] - lam[i]
+    d = x0
+    if x0_prev is not None and s[i + 1] > 0:
+        r = h / (lam[i] - lam[i - 1])
+        d = x0 + 0.5 * r * (x0 - x0_prev)
+    decay = torch.exp(-h) - 1
+    x_next = s[i + 1] / s[i] * x - (1 - s[i + 1]) * decay * d
+    return x_next, x0

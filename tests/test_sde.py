@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sde import (dppo_keep, dppo_kl_std, flow_sigma_t, gaussian_log_prob, ratio_norm_log_ratio,
-                 sde_step, sde_steps, sde_window, shift_sigmas, step_kl)
+from sde import (dpm_step, dppo_keep, dppo_kl_std, flash_sigmas, flow_sigma_t, gaussian_log_prob,
+                 ratio_norm_log_ratio, sde_step, sde_steps, sde_window, shift_sigmas, step_kl)
 
 SHAPE = (2, 3, 4, 4)  # (B, C, H, W)
 BATCH = SHAPE[0]
@@ -217,9 +217,9 @@ def test_cps_last_step_scores_a_given_sample_with_gradient():
 
 
 def test_sde_py_stays_readable():
-    """Issue 24's budget for the shared math: at most 250 lines of at most 100 columns."""
+    """Issue 41's budget for the shared math: at most 280 lines of at most 100 columns."""
     lines = (Path(__file__).parent.parent / "sde.py").read_text().splitlines()
-    assert len(lines) <= 250
+    assert len(lines) <= 280
     assert [line for line in lines if len(line) > 100] == []
 
 
@@ -536,6 +536,79 @@ def test_ratio_norm_golden_at_upstreams_shapes_with_the_clip_active():
     ppo_loss(own.exp()).backward()
     change = (own_v.grad - v.grad).norm() / v.grad.norm()
     assert change.item() == pytest.approx(0.670, abs=0.005)
+
+
+def fake_velocity(x, sigma):
+    """A model for the Flash goldens: v = -0.4 x + (t - 0.5) c, t = floor(1000 sigma) / 1000
+    (the timestep MixGRPO feeds FLUX)."""
+    t = torch.floor(sigma * 1000) / 1000
+    return -0.4 * x + (t - 0.5) * torch.tensor([0.3, -0.8, 1.1, 0.05]).view(1, 1, 4)
+
+
+def flash_rollout(end, ratio):
+    """Euler up to the window's end (upstream's window steps at eta 0 are Euler), then
+    dpm_step on the Flash grid, its history the last window step's x0."""
+    grid = flash_sigmas(shift_sigmas(torch.linspace(1, 0, 26), 3.0), end, ratio, 3.0)
+    x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0))
+    latents, x0 = [x], None
+    for i in range(len(grid) - 1):
+        v = fake_velocity(x, grid[i])
+        if i < end:
+            x, x0 = sde_step(v, x, grid[i], grid[i + 1], "ode", 0.0)[0], x - grid[i] * v
+        else:
+            x, x0 = dpm_step(v, x, grid, i, x0)
+        latents.append(x)
+    return grid, torch.stack(latents, 1)
+
+
+@pytest.mark.parametrize("window,ratio,post,final", [
+    # finetune_flux_grpo_MixGRPO_Flash.sh (ratio 0.4) and Flash*.sh (0.2), window [0, 4); a late
+    # window [14, 18) (Flash's at iteration 280-299): 8, 4 and 3 post points
+    ((0, 4), 0.4, [0.94029850, 0.88524592, 0.81818181, 0.73469388, 0.62790698, 0.48648649,
+                   0.29032260, 0.0], [-1.69538021, -1.63555515, -0.47044939, -0.64745682]),
+    ((0, 4), 0.2, [0.94029850, 0.79245287, 0.53846157, 0.0],
+     [-1.70486975, -1.50536966, -0.60312915, -0.64282227]),
+    ((14, 18), 0.4, [0.53846157, 0.32812503, 0.0], [-1.69672811, -1.61719632, -0.48917142,
+                                                    -0.64680630]),
+])
+def test_flash_matches_mixgrpos_dpm_solver(window, ratio, post, final):
+    """MixGRPO's fastvideo/utils/sampling_utils.py run_sample_step (dpmsolver++, order 2,
+    midpoint, dpm_apply_strategy 'post', flow_grpo_sampling as its scripts; eta 0 so the window
+    is deterministic) with fake_velocity as the transformer, 25 steps, shift 3, z ~ seeded
+    N(0, 1) of shape (2, 3, 4): its grid from the window's end on and the final latent's first
+    4 values, pasted (and, for [0, 4) at 0.4, every latent after the window: see below)."""
+    grid, latents = flash_rollout(window[1], ratio)
+    assert torch.allclose(grid[window[1]:], torch.tensor(post), atol=2e-7, rtol=0)  # 1 ulp
+    assert len(grid) == window[1] + len(post)
+    assert torch.allclose(latents[0, -1].flatten()[:4], torch.tensor(final), atol=1e-6, rtol=0)
+    if window == (0, 4) and ratio == 0.4:  # element 0 of sample 0 after each step from 4 on
+        want = [-1.16159284, -1.19438505, -1.23408389, -1.28309834, -1.34508514, -1.42591870,
+                -1.53536952, -1.69538021]
+        assert torch.allclose(latents[0, 4:, 0, 0], torch.tensor(want), atol=1e-6, rtol=0)
+
+
+def test_flash_grid_keeps_a_step_to_zero():
+    """Upstream's int(max((T + 1 - end) ratio, 1)) is 1 point for a window ending at 23 (ratio
+    0.4): its grid stops at sigmas[23] = 0.2069 and the image is never denoised. Ours takes 2:
+    one DDIM step to 0 (a deviation past upstream's 300 iterations)."""
+    sigmas = shift_sigmas(torch.linspace(1, 0, 26), 3.0)
+    grid = flash_sigmas(sigmas, 23, 0.4, 3.0)
+    assert torch.equal(grid[:24], sigmas[:24]) and grid[24:].tolist() == [0.0]
+
+
+def test_dpm_step_by_hand():
+    """First order is DDIM, (s1 / s0) x + (1 - s1 / s0) x0; second order adds
+    0.5 h / h0 (x0 - x0_prev) to x0, h the log-SNR step."""
+    sigmas = torch.tensor([0.8, 0.5, 0.2, 0.0])
+    x, v = torch.ones(1, 2), torch.full((1, 2), 0.5)
+    x1, x0 = dpm_step(v, x, sigmas, 1)  # x0 = 1 - 0.25 = 0.75; 0.4 + 0.6 * 0.75
+    assert x0.tolist() == [[0.75, 0.75]] and torch.allclose(x1, torch.full((1, 2), 0.85))
+    lam = [math.log((1 - s) / s) for s in (0.8, 0.5, 0.2)]
+    d = 0.75 + 0.5 * (lam[2] - lam[1]) / (lam[1] - lam[0]) * (0.75 - 0.5)
+    x1, _ = dpm_step(v, x, sigmas, 1, torch.full((1, 2), 0.5))
+    assert torch.allclose(x1, torch.full((1, 2), 0.4 + 0.6 * d))
+    last, x0 = dpm_step(v, x, sigmas, 2, torch.full((1, 2), 0.5))  # into 0: first order, x0
+    assert torch.allclose(last, x0)
 
 
 def test_window_stride_zero_is_a_fixed_window_not_a_division_by_zero():
