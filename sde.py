@@ -167,16 +167,16 @@ def compute_advantages(rewards, components, weights, group_ids, aggregation, per
 # ---- Which steps are SDE steps ----
 def sde_window(size: int, window_range, num_steps: int, generator, epoch: int = 0,
                shift_every: int | None = None, stride: int = 1, roll_back: bool = True,
-               full: bool = False) -> tuple[int, int]:
+               shrink: bool = False) -> tuple[int, int]:
     """The steps [start, end) a rollout samples by SDE, the ODE elsewhere (size 0: every step).
     (A, B) = window_range. Flow-GRPO-Fast (shift_every None): start uniform in {A, ..., B -
-    size}, drawn per call. MixGRPO (Tencent-Hunyuan/MixGRPO@e5cdd6a, GRPOTrainingStates in
-    fastvideo/utils/grpo_states.py as train_grpo_flux.py drives it): start = A + stride *
-    (epoch // shift_every) while <= B, then A again (roll_back) or B for good; the window
-    [start, min(start + size, B)) shrinks at the end and is empty at start B (upstream's trainer
-    crashes there). stride 0: fixed at A (MixGRPO-Flash*). full: UniRL's SD3 port
-    (unirl/utils/scheduler_utils.py, WindowScheduler._resolve_progressive): starts stop at
-    B - size, whole windows only."""
+    size}, drawn per call. Else start = A + stride (epoch // shift_every) while <= the last
+    start L, then A again (roll_back) or stuck (at L's grid point; shrink: at L); stride 0:
+    fixed at A. L = B - size: UniRL's SD3 port of MixGRPO (unirl/utils/scheduler_utils.py,
+    WindowScheduler._resolve_progressive), whole windows. shrink: L = B, MixGRPO's own
+    (Tencent-Hunyuan/MixGRPO@e5cdd6a, GRPOTrainingStates in fastvideo/utils/grpo_states.py as
+    train_grpo_flux.py drives it): the window [start, min(start + size, B)) shrinks at the end
+    and is empty at start B (where upstream's trainer crashes)."""
     if size == 0:
         return 0, num_steps
     low, high = window_range
@@ -184,11 +184,11 @@ def sde_window(size: int, window_range, num_steps: int, generator, epoch: int = 
         start = int(torch.randint(low, high - size + 1, (),
                                   generator=generator, device=generator.device))
         return start, start + size
-    last = high - size if full else high  # the last start
+    last = high if shrink else high - size  # the last start
     moves = epoch // shift_every * stride
     if stride and roll_back:  # back to A after the last start
         moves %= ((last - low) // stride + 1) * stride
-    elif stride and full:  # UniRL stays on its grid
+    elif stride and not shrink:  # UniRL stays on its grid
         moves = min(moves, (last - low) // stride * stride)
     start = min(low + moves, last)
     return start, min(start + size, high)

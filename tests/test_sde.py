@@ -438,31 +438,31 @@ MIX_SHIPPED = ("0-4 1-5 2-6 3-7 4-8 5-9 6-10 7-11 8-12 9-13 10-14 11-15 12-16 13
     (20, 300, {"stride": 0}, " ".join(["0-4"] * 15)),
 ])
 def test_mixgrpo_windows_are_grpo_training_states(shift_every, epochs, kwargs, want):
-    """Golden windows of MixGRPO's GRPOTrainingStates over every iteration; the empty one (start
-    23) is where upstream's trainer crashes (train_one_step prints an unset `ratio`)."""
-    assert windows(4, (0, 23), shift_every, epochs, **kwargs) == want
+    """Golden windows of MixGRPO's GRPOTrainingStates over every iteration (shrink=True); the
+    empty one (start 23) is where upstream's trainer crashes (it prints an unset `ratio`)."""
+    assert windows(4, (0, 23), shift_every, epochs, shrink=True, **kwargs) == want
 
 
 def test_former_whole_window_rule_differs_from_mixgrpos():
-    """Our former rule (always stride 1, whole windows, wrapped: full=True) against upstream's:
+    """Our former rule (stride 1, whole windows, wrapped: still the default) against upstream's:
     700 of 1200 iterations differ with the shipped script's settings, 575 of 600 with argparse's
     defaults; MixGRPO's own rule on UniRL's SD3 settings would differ in 225 of 300."""
     def differ(epochs, window_range, a, b):
         return sum(sde_window(4, window_range, 25, None, k, 25, **a)
                    != sde_window(4, window_range, 25, None, k, 25, **b) for k in range(epochs))
 
-    former = {"stride": 1, "full": True}
-    assert differ(1200, (0, 23), former, {"stride": 1}) == 700
-    assert differ(600, (0, 23), former, {"stride": 4, "roll_back": False}) == 575
-    assert differ(300, (0, 10), {"stride": 3, "full": True}, {"stride": 3}) == 225
+    mix = {"shrink": True}
+    assert differ(1200, (0, 23), {}, mix) == 700
+    assert differ(600, (0, 23), {}, {"stride": 4, "roll_back": False, **mix}) == 575
+    assert differ(300, (0, 10), {"stride": 3}, {"stride": 3, **mix}) == 225
 
 
 def test_unirl_sd3_windows_are_whole():
     """UniRL's WindowScheduler(10, WindowConfig('progressive', window_size=4, iters_per_window=25,
     overlap_size=1, roll_back=True)) (examples/diffusion/sd3_mixgrpo.yaml), get_sde_indices(k),
     k < 300: 0-4 3-7 6-10, four times; with overlap 0 and no roll-back: 0-4, then 4-8 for good."""
-    assert windows(4, (0, 10), 25, 300, stride=3, full=True) == " ".join(["0-4 3-7 6-10"] * 4)
-    assert windows(4, (0, 10), 25, 300, stride=4, roll_back=False, full=True) == (
+    assert windows(4, (0, 10), 25, 300, stride=3) == " ".join(["0-4 3-7 6-10"] * 4)
+    assert windows(4, (0, 10), 25, 300, stride=4, roll_back=False) == (
         "0-4" + " 4-8" * 11)
 
 
@@ -612,5 +612,6 @@ def test_dpm_step_by_hand():
 
 
 def test_window_stride_zero_is_a_fixed_window_not_a_division_by_zero():
-    assert {sde_window(4, (0, 23), 25, None, k, 20, stride=0) for k in range(500)} == {(0, 4)}
-    assert sde_window(4, (0, 10), 25, None, 999, 25, stride=0, full=True) == (0, 4)
+    windows = {sde_window(4, (0, 23), 25, None, k, 20, stride=0, shrink=True) for k in range(500)}
+    assert windows == {(0, 4)}
+    assert sde_window(4, (0, 10), 25, None, 999, 25, stride=0) == (0, 4)
