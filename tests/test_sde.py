@@ -224,7 +224,7 @@ def test_sde_py_stays_readable():
 
 
 # ---- Issue 28: Flow-DPPO's mask and KL, MixGRPO's window ----
-# Golden numbers from the upstream rules (/work notes: a trimmed re-implementation of
+# Golden numbers from the upstream rules (project notes: a trimmed re-implementation of
 # Tencent-Hunyuan/UniRL@1a7b501 unirl/algorithms/flowdppo.py::_flowdppo_kl_adv_loss and
 # Tencent-Hunyuan/MixGRPO@e5cdd6a fastvideo/utils/grpo_states.py::GRPOTrainingStates, run
 # on these inputs).
