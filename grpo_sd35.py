@@ -357,7 +357,7 @@ def check_args(args) -> dict | None:
         given = {word[2:].split("=")[0].removeprefix("no-").replace("-", "_")
                  for word in sys.argv[1:] if word.startswith("--")}
         for name, value in state["args"].items():
-            if name not in given | {"resume", "eval_only"} and hasattr(args, name):
+            if name not in given | {"resume", "eval_only", "push_to_hub"}:
                 setattr(args, name, value)
     check_ranges(args)
     if args.mixed_precision == "fp16" and not torch.cuda.is_available():
@@ -565,9 +565,10 @@ def adapters_disabled(transformer):
 def prepare_run_dir(run_dir: str, start_epoch: int):
     """Go on at start_epoch: drop crashed saves, and the checkpoints and metrics of
     the epochs it redoes; metrics.jsonl is replaced whole, without a cut-off line."""
-    for save in glob.glob(os.path.join(run_dir, "checkpoints", "*epoch_*")):
-        if os.path.basename(save)[0] == "." or int(save[-5:]) > start_epoch:
-            shutil.rmtree(save)
+    folder = os.path.join(run_dir, "checkpoints")
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        if name[0] == "." or int(name[-5:]) > start_epoch:  # hidden: a crashed save
+            shutil.rmtree(os.path.join(folder, name))
     path = os.path.join(run_dir, "metrics.jsonl")
     lines = open(path).readlines() if os.path.exists(path) else []
     if lines and not lines[-1].endswith("\n"):

@@ -23,7 +23,7 @@ if "FAULT_FULL_DISK" in os.environ:
     real_open = builtins.open
 
     def full_open(path, mode="r", *args, **kwargs):
-        if str(path).endswith(os.environ["FAULT_FULL_DISK"]) and "w" in mode:
+        if str(path).endswith(os.environ["FAULT_FULL_DISK"]) and mode[0] in "wa":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         return real_open(path, mode, *args, **kwargs)
 

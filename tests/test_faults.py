@@ -16,12 +16,12 @@ import pytest
 import torch
 
 import grpo_sd35
-from scripts_harness import (REPO, assert_bad_input, lora_tensors, read_metrics,
+from scripts_harness import (REPO, TOY_REWARD, assert_bad_input, lora_tensors, read_metrics,
                              script_env, tiny_sd35_flags)
 
 SCRIPT = "grpo_sd35.py"
 # The toy reward (mean brightness) that fails as FAULT_DO says at its FAULT_AT-th call (0:
-# never); the training reward is called twice an epoch (2 micro-batches), eval has its own.
+# never); as the training reward, it is called twice an epoch (2 micro-batches).
 FAULTY_REWARD = '''
 import os, signal, torch
 
@@ -41,13 +41,15 @@ def brightness(images, prompts, metadata):
 '''
 
 
-def faulty(tmp_path: Path, out: str, epochs: int, extra=(), **env):
-    """A tiny 2-micro-batch-per-epoch run with the faulty reward, for training and eval:
-    (the finished process, its --output-dir)."""
+def faulty(tmp_path: Path, out: str, epochs: int, extra=(), in_eval=False, **env):
+    """A tiny 2-micro-batch-per-epoch run with the faulty reward for training (or, with
+    in_eval, for eval): (the finished process, its --output-dir)."""
     reward = tmp_path / "faulty_reward.py"
     reward.write_text(FAULTY_REWARD)
     flags = tiny_sd35_flags(Path(faulty.model), tmp_path / out) + list(extra)
-    flags += ["--reward", f"{reward}:brightness", "--epochs", str(epochs), "--kl-beta", "0"]
+    rewards = [f"{reward}:brightness", TOY_REWARD][::-1 if in_eval else 1]
+    flags += ["--reward", rewards[0], "--eval-reward", rewards[1], "--epochs", str(epochs),
+              "--kl-beta", "0"]
     process = subprocess.run([sys.executable, "tests/faults.py", SCRIPT] + flags, cwd=REPO,
                              env={**script_env(), **env}, capture_output=True, text=True,
                              timeout=600)
@@ -145,7 +147,8 @@ def test_a_reward_that_raises_stops_with_one_line(tiny_sd3, tmp_path):
 
 def test_an_eval_nan_is_strict_json_and_named(tiny_sd3, tmp_path):
     faulty.model = tiny_sd3
-    process, out = faulty(tmp_path, "out", epochs=1, FAULT_AT="1", FAULT_DO="nan")
+    process, out = faulty(tmp_path, "out", epochs=1, in_eval=True, FAULT_AT="1",
+                          FAULT_DO="nan")
     assert process.returncode == 0, process.stderr[-3000:]
     (run,) = out.iterdir()
 
