@@ -31,7 +31,6 @@ import signal
 import sys
 import tempfile
 import time
-import warnings
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -49,7 +48,6 @@ logging.getLogger("transformers.utils.import_utils").addFilter(
     lambda record: "requires torchvision" not in record.getMessage())
 import diffusers  # noqa: E402 (after the filter)
 from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline
-from huggingface_hub import HfApi
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 from PIL import Image, ImageDraw, ImageFont
@@ -72,57 +70,51 @@ from sde import (compute_advantages, dppo_keep, dppo_kl_std, flow_sigma_t,
 @dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of the experiment (wandb group, run-directory prefix)"""
+    """wandb group and run-directory prefix"""
     seed: int = 42
-    """seed of the LoRA init, prompt draws and noise (per epoch and rank)"""
+    """seed of the LoRA init, prompt draws and noise"""
     track: bool = False
-    """log to Weights & Biases (metrics.jsonl is always written)"""
+    """log to Weights & Biases too"""
     wandb_project: str = "flowrl"
     """wandb project"""
     wandb_entity: str | None = None
     """wandb entity (None: your default one)"""
     output_dir: str = "runs"
-    """runs go to OUTPUT_DIR/RUN_NAME (metrics, eval sheets, checkpoints)"""
+    """runs go to OUTPUT_DIR/RUN_NAME"""
     resume: str | None = None
-    """checkpoint to continue from; `latest`: this exp-name and seed's newest"""
+    """checkpoint to continue; `latest`: this exp-name and seed's newest"""
     eval_only: bool = False
-    """evaluate the EMA of --resume (its flags, but those given) or the base model"""
+    """evaluate --resume's EMA (with its flags, but those given), or the base"""
     model: str = "stabilityai/stable-diffusion-3.5-medium"
     """hub id or local path of a diffusers StableDiffusion3Pipeline"""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
-    """dtype of the frozen weights, with autocast (LoRA and VAE stay fp32)"""
-    allow_tf32: bool = False
-    """TF32 matmuls on CUDA for the fp32 parts, as diffusers' --allow_tf32"""
+    """dtype of the frozen weights (LoRA and VAE: fp32), with autocast"""
     gradient_checkpointing: bool = False
-    """recompute activations in the backward pass (less memory, ~30% slower)"""
+    """recompute activations in backward (less memory, ~30% slower)"""
     compile: bool = torch.cuda.is_available()
-    """torch.compile each transformer block (~2x faster on a GPU; on with CUDA)"""
+    """torch.compile each transformer block (~2x faster; on with CUDA)"""
     lora_rank: int = 32
-    """LoRA rank"""
+    """LoRA rank on the 8 joint-attention projections of every block"""
     lora_alpha: int = 64
     """LoRA alpha (scale = alpha / rank)"""
-    lora_targets: tuple[str, ...] = ("attn.add_k_proj", "attn.add_q_proj",
-                                     "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
-                                     "attn.to_out.0", "attn.to_q", "attn.to_v")
-    """layers the LoRA adapts (upstream's: the joint-attention projections)"""
     train_prompts: str = "prompts/train.txt"
     """a prompt per line, or JSONL: `prompt` and fields for the reward"""
     test_prompts: str = "prompts/test.txt"
     """eval prompts, same format"""
     reward: str = "ocr"
-    """a rewards.py name, a sum `ocr=1.0,pickscore=0.5`, or `file.py:function`"""
+    """rewards.py name, weighted sum `ocr=1,pickscore=0.5`, `file.py:fn`"""
     eval_reward: str | None = None
     """reward of eval (None: the training reward)"""
     advantage_aggregation: Literal["sum", "gdpo"] = "sum"
-    """several rewards: normalise their weighted sum, or each, then sum (GDPO)"""
+    """normalise the rewards' weighted sum, or each, then sum (GDPO)"""
     per_group_std: bool = False
-    """divide advantages by their group's std, not the epoch's (upstream's)"""
+    """advantages / their group's std, not the epoch's (upstream's)"""
     resolution: int = 512
     """image height and width in pixels"""
     eval_num_steps: int = 40
     """Euler ODE steps of eval"""
     group_size: int = 24
-    """images per prompt (a group: its mean reward is the baseline)"""
+    """images per prompt (a group; its mean reward is the baseline)"""
     eval_batch_size: int = 8
     """per-GPU eval batch"""
     epochs: int = 1000
@@ -134,64 +126,60 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
     eval_seeds: tuple[int, ...] = (42,)
-    """noise seeds of eval: a sample per test prompt and seed (tune, report on others)"""
-    checkpoints_total_limit: int = 0
-    """keep the newest N --save-every checkpoints (0: all)"""
-    push_to_hub: bool = False
-    """upload the final EMA LoRA and its model card to the Hugging Face Hub"""
-    hub_model_id: str | None = None
-    """the Hub repository (None: the run's name, under your account)"""
-    hub_private: bool = False
-    """make the Hub repository private"""
+    """eval noise: a sample per test prompt and seed (tune on others)"""
     # Algorithm-specific arguments (defaults: the paper's OCR run)
     max_sequence_length: int = 128
     """T5 tokens per prompt"""
     num_steps: int = 10
     """SDE steps per rollout"""
     guidance_scale: float = 4.5
-    """CFG scale of rollouts, training, KL forwards and eval (1: no CFG anywhere)"""
+    """CFG scale of rollouts, training and eval (1: no CFG)"""
     noise_level: float = 0.7
-    """SDE noise a: sigma_t = a sqrt(sigma / (1 - sigma)) (flow), sin(a pi/2) (cps)"""
+    """a: sigma_t = a sqrt(sigma / (1 - sigma)) (flow), sin(a pi/2) (cps)"""
     sde_kind: Literal["flow", "cps"] = "flow"
-    """SDE of the sampled steps (sde.py): Flow-GRPO's, or coefficient-preserving"""
+    """SDE (sde.py): Flow-GRPO's, or coefficient-preserving"""
     sde_window_size: int = 0
-    """K > 0: SDE on K consecutive steps, trained; ODE elsewhere (Flow-GRPO-Fast)"""
+    """K > 0: SDE on K consecutive steps, ODE elsewhere (Flow-GRPO-Fast)"""
     sde_window_range: tuple[int, int] | None = None
-    """A B: the window lies in steps [A, B) (None: 0 and num_steps // 2)"""
+    """A B: SDE steps lie in [A, B) (None: 0, num_steps // 2)"""
     window_shift_every: int | None = None
-    """N: the window slides every N epochs (MixGRPO; None: random per micro-batch)"""
+    """N: the window slides every N epochs (MixGRPO; None: random)"""
     window_stride: int = 1
-    """steps the window slides by (UniRL's MixGRPO: 3; 0: it stays at A)"""
+    """steps it slides by (UniRL's MixGRPO: 3; 0: it stays at A)"""
     sde_random_steps: int = 0
-    """K > 0: SDE on K random steps of [A, B) (UniRL's Flow-DPPO: 3, one draw an epoch)"""
+    """K > 0: SDE on K random steps of [A, B), drawn each epoch (UniRL's DPPO)"""
     prompts_per_epoch: int = 48
     """prompts (groups) per epoch, over all GPUs"""
     batch_size: int = 9
-    """per-GPU micro-batch of rollout and training (SD3's output depends on it)"""
+    """per-GPU micro-batch (SD3's output depends on it)"""
     updates_per_epoch: int = 2
-    """optimizer steps per epoch (the first is exactly on-policy)"""
+    """optimizer steps per epoch (the first is on-policy)"""
     timestep_fraction: float = 0.99
-    """train the first int(num_steps * fraction) steps (the last is too sharp)"""
+    """train the first int(num_steps x this) steps"""
     clip_range: float = 1e-4
-    """PPO clip of the ratio (tiny: log-probs are means over elements, sde.py)"""
+    """PPO clip (tiny: log-probs are means over elements, sde.py)"""
     trust_region: Literal["clip", "ratio-norm", "dppo"] = "clip"
-    """PPO's clip, on GRPO-Guard's normalised ratio (flow SDE), or Flow-DPPO's mask"""
+    """PPO's clip, of GRPO-Guard's normalised ratio, or Flow-DPPO's mask"""
     dppo_threshold: float = 1e-5
-    """dppo: the step KL (a mean over elements) above which aggressive moves drop"""
+    """dppo: the step KL above which aggressive moves drop"""
     adv_clip: float = 5.0
-    """advantages are clipped to +-adv_clip (not by dppo: UniRL clips none)"""
+    """advantages are clipped to +-adv_clip (not by dppo: UniRL's)"""
     kl_beta: float = 0.04
     """weight of the KL to the base model (see grpo_loss)"""
     ema_decay: float = 0.9
-    """EMA decay of the LoRA used for eval and the saved `ema_lora` (0: off)"""
+    """EMA decay of the LoRA for eval and `ema_lora` (0: off)"""
     ema_interval: int = 8
-    """the EMA moves after micro-batches where (steps + 1) % N == 0 (0: each step)"""
+    """the EMA moves while (steps + 1) % N == 0 (0: each step)"""
     eval_every: int = 60
     """evaluate every N epochs (and after the last)"""
     save_every: int = 60
-    """keep every N-th epoch's checkpoint, and the last (all are saved)"""
+    """keep every N-th epoch's checkpoint (each is saved)"""
 
-# TRY NOT TO MODIFY: what --resume must match, the flags' ranges, the model card
+# TRY NOT TO MODIFY: what --resume must match, the range of every number flag
+# The joint-attention projections of every MMDiT block, as flow_grpo, NFT and AWM
+LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj",
+                "attn.to_add_out", "attn.to_k", "attn.to_out.0", "attn.to_q",
+                "attn.to_v"]
 STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other values
 RANGES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: x >= 2,
           "> 0": lambda x: x > 0, "in [0, 1)": lambda x: 0 <= x < 1,
@@ -201,31 +189,10 @@ LIMITS = {"seed": ">= 0", "lora_rank": ">= 1", "lora_alpha": "> 0",
           "resolution": ">= 1", "eval_num_steps": ">= 1", "group_size": ">= 2",
           "eval_batch_size": ">= 1", "epochs": ">= 1", "learning_rate": ">= 0",
           "weight_decay": ">= 0", "max_grad_norm": "> 0", "eval_seeds": ">= 0",
-          "checkpoints_total_limit": ">= 0",
           "max_sequence_length": ">= 1", "num_steps": ">= 1",
           "guidance_scale": ">= 0", "prompts_per_epoch": ">= 1",
           "batch_size": ">= 1", "adv_clip": "> 0", "kl_beta": ">= 0",
           "ema_decay": "in [0, 1)", "eval_every": ">= 1", "save_every": ">= 1"}
-CARD = """---
-base_model: {args.model}
-library_name: diffusers
-tags: [diffusers, lora, text-to-image, {args.exp_name}]
----
-# {title}
-
-A LoRA of `{args.model}` (its licence applies), trained by {script} on {images}
-images: eval `{reward}` {before:.4f} before, {after:.4f} after. {paper}
-
-![the last eval: a row per test prompt](eval_sheet.png)
-
-```python
-from diffusers import DiffusionPipeline
-pipe = DiffusionPipeline.from_pretrained("{args.model}")
-pipe.load_lora_weights("{source}")
-```
-
-Flags: `{flags}`
-"""
 
 # ALGO LOGIC: the ranges of this algorithm's flags, the sampler and the loss
 ALGO_LIMITS = {"noise_level": ">= 0", "sde_window_size": ">= 0",
@@ -335,7 +302,7 @@ def check_ranges(args):
                 fail(f"{flag} must be {allowed}, got {value}")
 
 def check_args(args) -> dict | None:
-    """Checks that need no weights; returns the checkpoint's state when resuming."""
+    """Checks that need no weights; the checkpoint's state if resuming."""
     state = None
     if args.resume == "latest":  # e.g. torchrun --max-restarts: start, or continue
         runs = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__*")
@@ -357,7 +324,7 @@ def check_args(args) -> dict | None:
         given = {word[2:].split("=")[0].removeprefix("no-").replace("-", "_")
                  for word in sys.argv[1:] if word.startswith("--")}
         for name, value in state["args"].items():
-            if name not in given | {"resume", "eval_only", "push_to_hub"}:
+            if name not in given | {"resume", "eval_only"}:
                 setattr(args, name, value)
     check_ranges(args)
     if args.mixed_precision == "fp16" and not torch.cuda.is_available():
@@ -377,21 +344,11 @@ def check_args(args) -> dict | None:
     if args.resolution % factor:
         fail(f"--resolution {args.resolution} is not a positive multiple of {factor} "
              "(VAE downsampling x patch size)")
-    with torch.device("meta"):  # the transformer's layers, without its weights
-        layers = [name for name, _ in SD3Transformer2DModel.from_config(dit).named_modules()]
-    for target in args.lora_targets:
-        if not any(name == target or name.endswith("." + target) for name in layers):
-            fail(f"--lora-targets {target!r} names no layer of the transformer")
     if args.track and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
         import wandb
         if not wandb.login(prompt=False):
             fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), "
                  "or WANDB_MODE=offline")
-    try:
-        if args.push_to_hub:
-            HfApi().whoami()
-    except Exception as error:
-        fail(f"--push-to-hub needs the Hub and a login ({type(error).__name__})")
     if state is None:
         return None
     script = os.path.basename(__file__)
@@ -406,7 +363,7 @@ def check_args(args) -> dict | None:
     return state
 
 def load_state(save: str) -> dict | str:
-    """A checkpoint's state, if it matches its checksum (written last); else why not."""
+    """A checkpoint's state if it matches its checksum (written last), else why not."""
     try:
         with open(os.path.join(save, "state.pt"), "rb") as file:
             data = file.read()
@@ -507,8 +464,8 @@ def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where,
 
 def save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
                     optimizer, next_epoch, global_step, args):
-    """Into a hidden directory, then renamed. `lora/`, `ema_lora/`: diffusers LoRAs;
-    state.pt resumes (`extra`: the snapshots); state.pt.sha256, written last."""
+    """Written to a hidden directory, then renamed: `lora/`, `ema_lora/` (diffusers
+    LoRAs), state.pt to resume from, and its checksum, last."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     config = transformer.peft_config["default"].to_dict()
@@ -530,12 +487,10 @@ def save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
         file.write(hashlib.sha256(state.getvalue()).hexdigest())
     os.rename(tmp, path)
 
-def prune_checkpoints(run_dir: str, current: str, save_every: int, limit: int):
-    """Keep current and every save_every-th (the newest `limit` of them; 0: all)."""
-    saves = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
-    kept = [save for save in saves if int(save[-5:]) % save_every == 0]
-    for save in saves:
-        if save != current and save not in kept[-limit:]:
+def prune_checkpoints(run_dir: str, current: str, save_every: int):
+    """Drop the checkpoints but current that are not on the --save-every grid."""
+    for save in glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")):
+        if save != current and int(save[-5:]) % save_every:
             shutil.rmtree(save)
 
 def last_checkpoint(run_dir: str) -> str:
@@ -564,7 +519,7 @@ def adapters_disabled(transformer):
 
 def prepare_run_dir(run_dir: str, start_epoch: int):
     """Go on at start_epoch: drop crashed saves, and the checkpoints and metrics of
-    the epochs it redoes; metrics.jsonl is replaced whole, without a cut-off line."""
+    the epochs it redoes; replace metrics.jsonl whole, without a cut-off line."""
     folder = os.path.join(run_dir, "checkpoints")
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
         if name[0] == "." or int(name[-5:]) > start_epoch:  # hidden: a crashed save
@@ -590,25 +545,6 @@ def contact_sheet(rows: list[tuple[str, list]], cell: int = 128) -> Image.Image:
             image = Image.fromarray(image).resize((size, size), Image.NEAREST)
             sheet.paste(image, (column * size, row * (size + 24) + 24))
     return sheet
-
-def write_card(save: str, run_dir: str, args, images: int):
-    """The model card (README.md) and the last eval sheet, beside each LoRA of save."""
-    rows = map(json.loads, open(os.path.join(run_dir, "metrics.jsonl")))
-    evals = [{name.replace("final_", ""): value for name, value in row.items()}
-             for row in rows if "eval/sheet" in row or "eval/final_sheet" in row]
-    flags = " ".join(f"--{name.replace('_', '-')} {getattr(args, name)}"
-                     for name in ["reward", *LIMITS, *ALGO_LIMITS])
-    card = CARD.format(args=args, title=__doc__.splitlines()[0], images=images,
-                       script=os.path.basename(__file__), paper=__doc__.splitlines()[2],
-                       reward=args.eval_reward or args.reward, flags=flags,
-                       before=evals[0]["eval/reward_mean"],
-                       after=evals[-1]["eval/reward_mean"],
-                       source=args.hub_model_id or os.path.join(save, "ema_lora"))
-    for name in ("lora", "ema_lora"):
-        with open(os.path.join(save, name, "README.md"), "w") as file:
-            file.write(card)
-        shutil.copy(os.path.join(run_dir, evals[-1]["eval/sheet"]),
-                    os.path.join(save, name, "eval_sheet.png"))
 
 def rank_mean(values: dict[str, float], world: int, device) -> dict[str, float]:
     """Each value's mean over ranks: the run's statistics, not rank 0's."""
@@ -685,10 +621,10 @@ if __name__ == "__main__":
     window_range = args.sde_window_range or (0, args.num_steps // 2)
     low, high = window_range
     if window_size and not 0 <= low <= high - window_size < high <= args.num_steps:
-        fail(f"--sde-window-size/--sde-random-steps {window_size} does not fit "
-             f"--sde-window-range {low} {high} (0 <= A <= B - K, B <= --num-steps)")
+        fail(f"--sde-window-size {window_size} does not fit --sde-window-range {low} "
+             f"{high} (0 <= A <= B - K, B <= --num-steps)")
     if args.sde_window_size and args.sde_random_steps:
-        fail("--sde-window-size and --sde-random-steps both pick the SDE steps")
+        fail("--sde-window-size or --sde-random-steps: one of them")
     num_train_steps = window_size or int(args.num_steps * args.timestep_fraction)
     if num_train_steps < 1:
         fail(f"--timestep-fraction {args.timestep_fraction} trains no step of "
@@ -697,18 +633,14 @@ if __name__ == "__main__":
         fail("--trust-region ratio-norm needs --sde-kind flow "
              "(it normalises a Gaussian log-ratio; CPS's log-prob is not one)")
     accum_steps = num_batches // args.updates_per_epoch * num_train_steps
-    if rank == 0 and not args.eval_only:
-        devices = "GPU(s)" if device.type == "cuda" else "process(es)"
-        print(f"{world} {devices} x {num_batches} micro-batches x {args.batch_size} = "
-              f"{images_per_epoch} images/epoch ({args.prompts_per_epoch} prompts x "
-              f"{args.group_size}); {args.updates_per_epoch} updates/epoch of "
-              f"{accum_steps} micro-steps each")
+    if not args.eval_only:
+        say(f"{world} process(es) x {num_batches} micro-batches x {args.batch_size} = "
+            f"{images_per_epoch} images/epoch; {args.updates_per_epoch} updates/epoch "
+            f"of {accum_steps} micro-steps each")
 
     # TRY NOT TO MODIFY: the model: frozen base in bf16/fp16, LoRA in fp32
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
     dtype = dtypes[args.mixed_precision]
-    torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
-    torch.backends.cudnn.allow_tf32 = args.allow_tf32
     pipe = StableDiffusion3Pipeline.from_pretrained(
         args.model, dtype={"default": dtype, "vae": torch.float32}).to(device)
     transformer = pipe.transformer
@@ -718,7 +650,7 @@ if __name__ == "__main__":
     torch.manual_seed(args.seed)  # the LoRA's init, the same on every rank
     transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
                                        init_lora_weights="gaussian",
-                                       target_modules=list(args.lora_targets)))
+                                       target_modules=LORA_TARGETS))
     lora_params = [p for p in transformer.parameters() if p.requires_grad]
     for p in lora_params:
         p.data = p.data.float()
@@ -730,8 +662,7 @@ if __name__ == "__main__":
             block.compile(dynamic=False)
     optimizer = torch.optim.AdamW(lora_params, lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
-    fp16 = args.mixed_precision == "fp16"
-    scaler = torch.amp.GradScaler(device.type, enabled=fp16)
+    scaler = torch.amp.GradScaler(enabled=args.mixed_precision == "fp16")
     ema_params = [p.detach().clone() for p in lora_params]
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     latent_size = args.resolution // pipe.vae_scale_factor
@@ -803,9 +734,9 @@ if __name__ == "__main__":
             wandb.log(metrics | sheets, step=epoch)
 
     @torch.no_grad()
-    def run_eval(epoch: int, prefix: str = "eval/", weights=ema_params) -> dict:
-        """Score the ODE samples of `weights` (EMA 0: the LoRA), a sample per test
-        prompt i and eval seed s from noise seeded (s, i): alike on any GPU count."""
+    def run_eval(epoch: int, prefix: str = "eval/") -> dict:
+        """Score the EMA's ODE samples (EMA 0: the LoRA), one per test prompt i and eval
+        seed s, from noise seeded (s, i): the same on any GPU count."""
         items = [(i, seed) for seed in args.eval_seeds for i in range(len(test_prompts))]
         by_prompt = {}  # test prompt -> its items
         for item in items:
@@ -813,7 +744,7 @@ if __name__ == "__main__":
         # The contact sheet: the first 4 samples of the first 4 test prompts
         shown = [item for row in list(by_prompt.values())[:4] for item in row[:4]]
         transformer.eval()  # as in sampling: compiled graphs depend on the mode
-        results = {}  # item -> (its scores, its 32x32 thumbnail, its image if shown)
+        results = {}  # item -> its scores, 32x32 thumbnail, image if shown
         mine = items[rank::world]
         for start in range(0, len(mine), args.eval_batch_size):
             batch = mine[start : start + args.eval_batch_size]
@@ -823,19 +754,15 @@ if __name__ == "__main__":
                             generator=seeded_generator(device, seed, i))
                 for i, seed in batch])
             text = encode(pipe, prompts, device, args.max_sequence_length)
-            with swapped(lora_params, weights):
+            with swapped(lora_params, ema_params):
                 final = ode_sample(partial(velocity, text=text), noise, eval_sigmas)
-                v = velocity(noise, eval_sigmas[0], text)
-            with adapters_disabled(transformer):  # 0: an adapter that trains nothing
-                base = velocity(noise, eval_sigmas[0], text)
-            change = (v - base).flatten(1).norm(dim=1) / base.flatten(1).norm(dim=1)
             images = decode(pipe.vae, final)
             meta = [test_meta[i] for i, _ in batch]
             try:
                 batch_scores, info = eval_reward_fn(images.cpu(), prompts, meta)
             except rewards.RewardError as error:
                 stop(f"error: {error} in the eval after {epoch} epochs")
-            columns = {"reward_mean": batch_scores, **info, "lora_change": change}
+            columns = {"reward_mean": batch_scores, **info}
             pixels = images.permute(0, 2, 3, 1).cpu().numpy() * 255
             pixels = pixels.round().astype(np.uint8)
             small = torch.nn.functional.interpolate(images, size=32, mode="area")
@@ -1064,28 +991,14 @@ if __name__ == "__main__":
             if rank == 0:
                 save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
                                 optimizer, epoch + 1, global_step, args)
-                prune_checkpoints(run_dir, path, args.save_every,
-                                  args.checkpoints_total_limit)
+                prune_checkpoints(run_dir, path, args.save_every)
             if world > 1:
                 dist.barrier()
-            if epoch + 1 == args.epochs:  # the saved EMA LoRA, loaded as users do
-                with warnings.catch_warnings(action="ignore"):  # "a second adapter"
-                    pipe.load_lora_weights(os.path.join(path, "ema_lora"),
-                                           adapter_name="saved")
-                metrics.update(run_eval(epoch + 1, "eval/final_", weights=[]))
-                with warnings.catch_warnings(action="ignore"):
-                    pipe.delete_adapters("saved")
+            if epoch + 1 == args.epochs:  # logged with the last epoch
+                metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
             log(metrics, epoch)
-            if rank == 0:
-                write_card(path, run_dir, args, (epoch + 1) * images_per_epoch)
         except (OSError, SafetensorError) as error:
             stop(f"error: {error} (saving epoch {epoch + 1})")
     executor.shutdown()
-    if args.push_to_hub and rank == 0:  # the final EMA LoRA, not the checkpoints
-        folder = os.path.join(last_checkpoint(run_dir), "ema_lora")
-        repo = HfApi().create_repo(args.hub_model_id or os.path.basename(run_dir),
-                                   private=args.hub_private, exist_ok=True).repo_id
-        HfApi().upload_folder(repo_id=repo, folder_path=folder)
-        print(f"pushed {folder} to https://huggingface.co/{repo}")
     if dist.is_initialized():
         dist.destroy_process_group()
