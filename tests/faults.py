@@ -5,12 +5,10 @@
 with the fault in environment variables:
     FAULT_TIME=T          time.time() returns T (two runs start in the same second)
     FAULT_FULL_DISK=NAME  writing a file whose name ends with NAME raises ENOSPC
-    FAULT_HUB=PATH        huggingface_hub.HfApi is a recorder: its calls go to PATH (JSON)
 """
 
 import builtins
 import errno
-import json
 import os
 import runpy
 import sys
@@ -28,28 +26,6 @@ if "FAULT_FULL_DISK" in os.environ:
         return real_open(path, mode, *args, **kwargs)
 
     patches.append(mock.patch("builtins.open", full_open))
-if "FAULT_HUB" in os.environ:
-    calls = []
-
-    class Recorder:
-        """The Hub as far as a push goes: who is logged in, the repo, the upload."""
-
-        def whoami(self):
-            calls.append(["whoami"])
-            return {"name": "someone"}
-
-        def create_repo(self, repo_id, **options):
-            calls.append(["create_repo", repo_id, options])
-            return mock.Mock(repo_id=f"someone/{repo_id}")
-
-        def upload_folder(self, repo_id, folder_path, **options):
-            files = sorted(os.path.relpath(os.path.join(root, name), folder_path)
-                           for root, _, names in os.walk(folder_path) for name in names)
-            calls.append(["upload_folder", repo_id, folder_path, files])
-            with open(os.environ["FAULT_HUB"], "w") as file:
-                json.dump(calls, file)
-
-    patches.append(mock.patch("huggingface_hub.HfApi", Recorder))
 for patch in patches:
     patch.start()
 sys.argv = sys.argv[1:]
