@@ -13,18 +13,23 @@ Provenance: yifan123/flow_grpo (as mirrored at zhtmike/flow_grpo@9745241) unless
     ratio_norm_log_ratio  scripts/train_sd3_GRPO_Guard.py, rationorm (arXiv:2510.22319)
     rollout               flow_grpo/diffusers_patch/sd3_pipeline_with_logprob.py
     sde_window            the same with _fast.py (Flow-GRPO-Fast), and MixGRPO's (sde.py)
-    dppo_keep             Flow-DPPO, Tencent-Hunyuan/UniRL's flowdppo.py (sde.py)
+    dppo_keep, sde_steps  Flow-DPPO, Tencent-Hunyuan/UniRL@1a7b501 (sde.py)
     the prompt draw       scripts/train_sd3.py, DistributedKRepeatSampler
     the EMA               flow_grpo/ema.py, EMAModuleWrapper (update_step_interval 8)
 """
 
 import glob
+import hashlib
+import io
 import json
+import logging
 import math
 import os
 import resource
 import shutil
+import signal
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -34,20 +39,24 @@ from functools import partial
 from typing import Literal, NamedTuple
 
 import numpy as np
-import diffusers
 import torch
 import torch.distributed as dist
 import transformers
 import tyro
+# Without torchvision, transformers warns that it uses PIL image processors: we do.
+logging.getLogger("transformers.utils.import_utils").addFilter(
+    lambda record: "requires torchvision" not in record.getMessage())
+import diffusers  # noqa: E402 (after the filter)
 from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
+from safetensors import SafetensorError
 from tqdm import tqdm
 
 import rewards
-from sde import (compute_advantages, dppo_keep, flow_sigma_t, ratio_norm_log_ratio,
-                 sde_step, sde_window, step_kl)
+from sde import (compute_advantages, dppo_keep, dppo_kl_std, flow_sigma_t,
+                 ratio_norm_log_ratio, sde_step, sde_steps, sde_window, step_kl)
 
 # ALGO LOGIC: what a researcher changes. TRY NOT TO MODIFY: plumbing, copied
 # verbatim into every SD3.5 script; it reads six names that ALGO LOGIC sets:
@@ -60,116 +69,114 @@ from sde import (compute_advantages, dppo_keep, flow_sigma_t, ratio_norm_log_rat
 
 @dataclass
 class Args:
-    # Experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of the experiment (wandb group, run-directory prefix)"""
+    """wandb group and run-directory prefix"""
     seed: int = 42
-    """seed of the LoRA init, prompt draws and noise (per epoch and rank)"""
+    """seed of the LoRA init, prompt draws and noise"""
     track: bool = False
-    """log to Weights & Biases (metrics.jsonl is always written)"""
+    """log to Weights & Biases too"""
     wandb_project: str = "flowrl"
     """wandb project"""
     wandb_entity: str | None = None
     """wandb entity (None: your default one)"""
     output_dir: str = "runs"
-    """runs go to OUTPUT_DIR/RUN_NAME (metrics, eval sheets, checkpoints)"""
+    """runs go to OUTPUT_DIR/RUN_NAME"""
     resume: str | None = None
-    """checkpoint to continue from; `latest`: this exp-name and seed's newest"""
+    """checkpoint to continue; `latest`: this exp-name and seed's newest"""
     eval_only: bool = False
-    """only evaluate the EMA weights of --resume (or the base model), then exit"""
-    # Model
+    """evaluate --resume's EMA (with its flags, but those given), or the base"""
     model: str = "stabilityai/stable-diffusion-3.5-medium"
     """hub id or local path of a diffusers StableDiffusion3Pipeline"""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
-    """dtype of the frozen weights, with autocast (LoRA and VAE stay fp32)"""
+    """dtype of the frozen weights (LoRA and VAE: fp32), with autocast"""
     gradient_checkpointing: bool = False
-    """recompute activations in the backward pass (less memory, ~30% slower)"""
+    """recompute activations in backward (less memory, ~30% slower)"""
     compile: bool = torch.cuda.is_available()
-    """torch.compile each transformer block (~2x faster on a GPU; on with CUDA)"""
+    """torch.compile each transformer block (~2x faster; on with CUDA)"""
     lora_rank: int = 32
     """LoRA rank on the 8 joint-attention projections of every block"""
     lora_alpha: int = 64
     """LoRA alpha (scale = alpha / rank)"""
-    # Data and reward
     train_prompts: str = "prompts/train.txt"
     """a prompt per line, or JSONL: `prompt` and fields for the reward"""
     test_prompts: str = "prompts/test.txt"
     """eval prompts, same format"""
     reward: str = "ocr"
-    """a rewards.py name, a sum `ocr=1.0,pickscore=0.5`, or `file.py:function`"""
+    """rewards.py name, weighted sum `ocr=1,pickscore=0.5`, `file.py:fn`"""
     eval_reward: str | None = None
     """reward of eval (None: the training reward)"""
     advantage_aggregation: Literal["sum", "gdpo"] = "sum"
-    """several rewards: normalise their weighted sum, or each, then sum (GDPO)"""
+    """normalise the rewards' weighted sum, or each, then sum (GDPO)"""
     per_group_std: bool = False
-    """divide advantages by their group's std, not the epoch's (upstream's)"""
-    # Sampling
+    """advantages / their group's std, not the epoch's (upstream's)"""
     resolution: int = 512
     """image height and width in pixels"""
     eval_num_steps: int = 40
     """Euler ODE steps of eval"""
-    # Batch sizes (global ones do not depend on the GPU count)
     group_size: int = 24
-    """images per prompt (a group: its mean reward is the baseline)"""
+    """images per prompt (a group; its mean reward is the baseline)"""
     eval_batch_size: int = 8
     """per-GPU eval batch"""
     epochs: int = 1000
     """epochs to train (each: sample, score, update)"""
-    # Optimisation
     learning_rate: float = 3e-4
     """AdamW learning rate (constant)"""
     weight_decay: float = 1e-4
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
-    # Logging, eval, checkpoints
-    eval_sheet_size: int = 16
-    """eval images in the contact sheet: a row per distinct test prompt"""
+    eval_seeds: tuple[int, ...] = (42,)
+    """eval noise: a sample per test prompt and seed (tune on others)"""
     # Algorithm-specific arguments (defaults: the paper's OCR run)
     max_sequence_length: int = 128
     """T5 tokens per prompt"""
     num_steps: int = 10
     """SDE steps per rollout"""
     guidance_scale: float = 4.5
-    """CFG scale of rollouts, training, KL forwards and eval (1: no CFG anywhere)"""
+    """CFG scale of rollouts, training and eval (1: no CFG)"""
     noise_level: float = 0.7
-    """SDE noise a: sigma_t = a sqrt(sigma / (1 - sigma)) (flow), sin(a pi/2) (cps)"""
+    """a: sigma_t = a sqrt(sigma / (1 - sigma)) (flow), sin(a pi/2) (cps)"""
     sde_kind: Literal["flow", "cps"] = "flow"
-    """SDE of the sampled steps (sde.py): Flow-GRPO's, or coefficient-preserving"""
+    """SDE (sde.py): Flow-GRPO's, or coefficient-preserving"""
     sde_window_size: int = 0
-    """K > 0: SDE on K consecutive steps, trained; ODE elsewhere (Flow-GRPO-Fast)"""
+    """K > 0: SDE on K consecutive steps, ODE elsewhere (Flow-GRPO-Fast)"""
     sde_window_range: tuple[int, int] | None = None
-    """A B: the window lies in steps [A, B) (None: 0 and num_steps // 2)"""
+    """A B: SDE steps lie in [A, B) (None: 0, num_steps // 2)"""
     window_shift_every: int | None = None
-    """N: the window slides every N epochs (MixGRPO; None: random per micro-batch)"""
+    """N: the window slides every N epochs (MixGRPO; None: random)"""
+    window_stride: int = 1
+    """steps it slides by (UniRL's MixGRPO: 3; 0: it stays at A)"""
+    sde_random_steps: int = 0
+    """K > 0: SDE on K random steps of [A, B), drawn each epoch (UniRL's DPPO)"""
     prompts_per_epoch: int = 48
     """prompts (groups) per epoch, over all GPUs"""
     batch_size: int = 9
-    """per-GPU micro-batch of rollout and training (SD3's output depends on it)"""
+    """per-GPU micro-batch (SD3's output depends on it)"""
     updates_per_epoch: int = 2
-    """optimizer steps per epoch (the first is exactly on-policy)"""
+    """optimizer steps per epoch (the first is on-policy)"""
     timestep_fraction: float = 0.99
-    """train the first int(num_steps * fraction) steps (the last is too sharp)"""
+    """train the first int(num_steps x this) steps"""
     clip_range: float = 1e-4
-    """PPO clip of the ratio (tiny: log-probs are means over elements, sde.py)"""
+    """PPO clip (tiny: log-probs are means over elements, sde.py)"""
     trust_region: Literal["clip", "ratio-norm", "dppo"] = "clip"
-    """PPO's clip; it on GRPO-Guard's normalised ratio (flow SDE); Flow-DPPO's mask"""
+    """PPO's clip, of GRPO-Guard's normalised ratio, or Flow-DPPO's mask"""
     dppo_threshold: float = 1e-5
-    """dppo: the step KL (a mean over elements) above which aggressive moves drop"""
+    """dppo: the step KL above which aggressive moves drop"""
     adv_clip: float = 5.0
-    """advantages are clipped to +-adv_clip"""
+    """advantages are clipped to +-adv_clip (not by dppo: UniRL's)"""
     kl_beta: float = 0.04
     """weight of the KL to the base model (see grpo_loss)"""
     ema_decay: float = 0.9
-    """EMA decay of the LoRA used for eval and the saved `ema_lora` (0: off)"""
+    """EMA decay of the LoRA for eval and `ema_lora` (0: off)"""
     ema_interval: int = 8
-    """the EMA moves after micro-batches where (steps + 1) % N == 0 (0: each step)"""
+    """the EMA moves while (steps + 1) % N == 0 (0: each step)"""
     eval_every: int = 60
     """evaluate every N epochs (and after the last)"""
     save_every: int = 60
-    """checkpoint every N epochs (and after the last)"""
+    """keep every N-th epoch's checkpoint (each is saved)"""
 
-# TRY NOT TO MODIFY: the LoRA's layers (upstream's), what --resume must match, ranges
+# TRY NOT TO MODIFY: what --resume must match, the range of every number flag
+# The joint-attention projections of every MMDiT block, as flow_grpo, NFT and AWM
 LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj",
                 "attn.to_add_out", "attn.to_k", "attn.to_out.0", "attn.to_q",
                 "attn.to_v"]
@@ -181,7 +188,7 @@ RANGES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: 
 LIMITS = {"seed": ">= 0", "lora_rank": ">= 1", "lora_alpha": "> 0",
           "resolution": ">= 1", "eval_num_steps": ">= 1", "group_size": ">= 2",
           "eval_batch_size": ">= 1", "epochs": ">= 1", "learning_rate": ">= 0",
-          "weight_decay": ">= 0", "max_grad_norm": "> 0", "eval_sheet_size": ">= 1",
+          "weight_decay": ">= 0", "max_grad_norm": "> 0", "eval_seeds": ">= 0",
           "max_sequence_length": ">= 1", "num_steps": ">= 1",
           "guidance_scale": ">= 0", "prompts_per_epoch": ">= 1",
           "batch_size": ">= 1", "adv_clip": "> 0", "kl_beta": ">= 0",
@@ -190,52 +197,51 @@ LIMITS = {"seed": ">= 0", "lora_rank": ">= 1", "lora_alpha": "> 0",
 # ALGO LOGIC: the ranges of this algorithm's flags, the sampler and the loss
 ALGO_LIMITS = {"noise_level": ">= 0", "sde_window_size": ">= 0",
                "sde_window_range": ">= 0", "window_shift_every": ">= 1",
+               "window_stride": ">= 0", "sde_random_steps": ">= 0",
                "updates_per_epoch": ">= 1", "timestep_fraction": "in (0, 1]",
                "clip_range": ">= 0", "dppo_threshold": ">= 0", "ema_interval": ">= 0"}
 
 class Rollout(NamedTuple):
-    """A micro-batch's rollout, kept for training. K: the window's steps."""
-    start: int  # the window's first step
-    latents: torch.Tensor  # (B, K+1, C, h, w): x at the window's steps, and after
+    """A micro-batch's rollout, kept for training: K steps sampled by the SDE."""
+    steps: list  # the K steps
+    latents: torch.Tensor  # (B, K, C, h, w): x before each of them
+    next_latents: torch.Tensor  # (B, K, C, h, w): the SDE's draw, x after it
     log_probs: torch.Tensor  # (B, K): log-probs, means over elements (sde.py)
     means: torch.Tensor  # (B, K, C, h, w): the steps' Gaussian means
     sample: torch.Tensor  # (B, C, h, w): the final latent
 
 @torch.no_grad()
-def rollout(velocity, noise, sigmas, window, kind, noise_level, generator) -> Rollout:
-    """Sample from sigma 1 to 0: sde.py's step `kind` at the steps i in [window[0],
-    window[1]), the Euler ODE at the others. velocity(x, sigma) -> v. All fp32."""
-    start, end = window
+def rollout(velocity, noise, sigmas, steps, kind, noise_level, generator) -> Rollout:
+    """Sample from sigma 1 to 0 (sigmas: (T+1,)): sde.py's step `kind` on `steps`, the
+    Euler ODE elsewhere. velocity(x, sigma) -> v. All fp32."""
     x = noise.float()
-    latents = []
-    log_probs = []
-    means = []
+    kept = defaultdict(list)
     for i in range(len(sigmas) - 1):
         v = velocity(x, sigmas[i])
-        if i == start:
-            latents.append(x)
-        x, log_prob, mean, _ = sde_step(
-            v, x, sigmas[i], sigmas[i + 1], kind if start <= i < end else "ode",
+        x_next, log_prob, mean, _ = sde_step(
+            v, x, sigmas[i], sigmas[i + 1], kind if i in steps else "ode",
             noise_level, generator=generator, second_sigma=sigmas[1])
-        if start <= i < end:
-            latents.append(x)
-            log_probs.append(log_prob)
-            means.append(mean)
-    return Rollout(start, torch.stack(latents, 1), torch.stack(log_probs, 1),
-                   torch.stack(means, 1), x)
+        if i in steps:
+            kept["latents"].append(x)
+            kept["next_latents"].append(x_next)
+            kept["log_probs"].append(log_prob)
+            kept["means"].append(mean)
+        x = x_next
+    stacked = {name: torch.stack(values, 1) for name, values in kept.items()}
+    return Rollout(steps=list(steps), sample=x, **stacked)
 
-def grpo_loss(*, log_prob, old_log_prob, advantages, mean, old_mean, std,
-              ref_mean, kl_sigma, abs_dt, trust_region, clip_range,
-              dppo_threshold, adv_clip, kl_beta, accum_steps):
+def grpo_loss(*, log_prob, old_log_prob, advantages, mean, old_mean, std, ref_mean,
+              kl_sigma, dppo_std, abs_dt, trust_region, clip_range, dppo_threshold,
+              adv_clip, kl_beta, accum_steps):
     """A sampling step's loss: (loss to backward, ratio, {statistic: float}).
 
-    (B,): log_prob, old_log_prob (the policy's, the rollout's), advantages, clipped to
-    +-adv_clip. The step's Gaussian: mean, old_mean, ref_mean (the base model's; None:
-    no KL), std. Trust regions: clip (PPO) max(-A ratio, -A clip(ratio, 1 +- clip));
-    ratio-norm (GRPO-Guard) the same on sde.py's normalised ratio, / abs_dt, its
-    gradient's scale; dppo (Flow-DPPO) -A ratio where dppo_keep. Plus kl_beta *
-    upstream's KL, mean((mu - mu_ref)^2) / (2 kl_sigma^2) (the exact KL sums over
-    elements, / sigma_t^2 |dt|); / accum_steps, as the optimizer step sums them."""
+    (B,): log_prob, old_log_prob (the policy's, the rollout's), advantages. The step's
+    Gaussian: mean, old_mean, ref_mean (the base model's; None: no KL), std. Trust
+    regions: clip (PPO) max(-A ratio, -A clip(ratio, 1 +- clip)), A clipped to
+    +-adv_clip; ratio-norm (GRPO-Guard) the same on sde.py's normalised ratio, / abs_dt,
+    its gradient's scale; dppo (Flow-DPPO) -A ratio where dppo_keep, its KL on dppo_std.
+    Plus kl_beta * upstream's KL, mean((mu - mu_ref)^2) / (2 kl_sigma^2) (the exact KL
+    sums over elements, / sigma_t^2 |dt|); / accum_steps, as a step sums them."""
     stats = {}
     log_ratio = log_prob - old_log_prob
     approx_kl = 0.5 * (log_ratio**2).mean().item()
@@ -243,20 +249,19 @@ def grpo_loss(*, log_prob, old_log_prob, advantages, mean, old_mean, std,
         log_ratio = ratio_norm_log_ratio(log_prob, old_log_prob, mean, old_mean,
                                          std.flatten())
     ratio = torch.exp(log_ratio)
-    clipped_advantages = advantages.clamp(-adv_clip, adv_clip)
-    if trust_region == "dppo":
-        old_kl = step_kl(mean.detach(), old_mean, std)  # (B,)
+    if trust_region == "dppo":  # UniRL clips no advantage
+        old_kl = step_kl(mean.detach(), old_mean, dppo_std)  # (B,)
         keep = dppo_keep(ratio.detach(), advantages, old_kl, dppo_threshold)
         stats["dppo_masked_frac"] = 1 - keep.float().mean().item()
         stats["dppo_old_kl"] = old_kl.mean().item()
         stats["dppo_old_kl_max"] = old_kl.max().item()
         # A dropped term still counts in the mean, as upstream.
-        terms = torch.where(keep, -clipped_advantages * ratio, 0.0)
-        policy_loss = terms.mean()
+        policy_loss = torch.where(keep, -advantages * ratio, 0.0).mean()
     else:
+        advantages = advantages.clamp(-adv_clip, adv_clip)
         clipped_ratio = ratio.clamp(1 - clip_range, 1 + clip_range)
-        policy_loss = torch.maximum(-clipped_advantages * ratio,
-                                    -clipped_advantages * clipped_ratio).mean()
+        policy_loss = torch.maximum(-advantages * ratio,
+                                    -advantages * clipped_ratio).mean()
     if trust_region == "ratio-norm":
         policy_loss = policy_loss / abs_dt
     kl = torch.zeros((), device=log_prob.device)
@@ -276,14 +281,16 @@ class Text(NamedTuple):
     embeds: torch.Tensor
     pooled: torch.Tensor
 
-    def rows(self, index) -> "Text":
-        return Text(self.embeds[index], self.pooled[index])
-
 def fail(message: str):
-    raise SystemExit(f"error: {message}")
+    """Stop with one line, printed once (by rank 0 under torchrun)."""
+    raise SystemExit(1 if os.environ.get("RANK", "0") != "0" else f"error: {message}")
+
+def say(message: str):
+    if os.environ.get("RANK", "0") == "0":
+        print(message, flush=True)
 
 def check_ranges(args):
-    """Every number flag is finite and inside its range in LIMITS or ALGO_LIMITS."""
+    """Every number flag is finite and in its range (LIMITS, ALGO_LIMITS)."""
     for field in fields(args):
         value = getattr(args, field.name)
         allowed = (LIMITS | ALGO_LIMITS).get(field.name)
@@ -295,12 +302,38 @@ def check_ranges(args):
                 fail(f"{flag} must be {allowed}, got {value}")
 
 def check_args(args) -> dict | None:
-    """Checks that need no weights; returns the checkpoint's state when resuming."""
+    """Checks that need no weights; the checkpoint's state if resuming."""
+    state = None
+    if args.resume == "latest":  # e.g. torchrun --max-restarts: start, or continue
+        runs = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__*")
+        saves = glob.glob(os.path.join(runs, "checkpoints", "epoch_*"))
+        args.resume = None  # runs sort by start time, then epoch: the newest good one
+        for save in sorted(saves, reverse=True):
+            state = load_state(save)
+            if isinstance(state, dict):
+                args.resume = save
+                break
+            say(f"skipping {save}: {state}")
+    elif args.resume:
+        state = load_state(args.resume)
+        if isinstance(state, str):
+            fail(f"--resume {args.resume!r}: {state}")
+    if args.resume:
+        say(f"resuming from {args.resume}")
+    if args.resume and args.eval_only:  # the checkpoint's flags, but those given
+        given = {word[2:].split("=")[0].removeprefix("no-").replace("-", "_")
+                 for word in sys.argv[1:] if word.startswith("--")}
+        for name, value in state["args"].items():
+            if name not in given | {"resume", "eval_only"}:
+                setattr(args, name, value)
     check_ranges(args)
     if args.mixed_precision == "fp16" and not torch.cuda.is_available():
         fail("--mixed-precision fp16 needs a GPU (on CPU: bf16 or no)")
-    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
-        fail(f"--output-dir {args.output_dir!r} is a file")
+    try:  # found now, not after the model loads
+        os.makedirs(args.output_dir, exist_ok=True)
+        tempfile.TemporaryFile(dir=args.output_dir).close()
+    except OSError as error:
+        fail(f"--output-dir {args.output_dir!r}: {error.strerror}")
     try:  # the config files give the resolution's factor before the weights load
         vae = AutoencoderKL.load_config(args.model, subfolder="vae")
         dit = SD3Transformer2DModel.load_config(args.model, subfolder="transformer")
@@ -316,18 +349,8 @@ def check_args(args) -> dict | None:
         if not wandb.login(prompt=False):
             fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), "
                  "or WANDB_MODE=offline")
-    if args.resume == "latest":  # e.g. torchrun --max-restarts: start, or continue
-        runs = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__*")
-        saves = glob.glob(os.path.join(runs, "checkpoints", "epoch_*"))
-        args.resume = max(saves, key=os.path.getmtime, default=None)
-    if not args.resume:
+    if state is None:
         return None
-    path = os.path.join(args.resume, "state.pt")
-    hidden = os.path.basename(os.path.abspath(args.resume)).startswith(".")
-    if hidden or not os.path.isfile(path):
-        fail(f"--resume {args.resume!r} is not a checkpoint directory (no state.pt, or "
-             "hidden: an unfinished save)")
-    state = torch.load(path, map_location="cpu")
     script = os.path.basename(__file__)
     if state.get("script") != script:  # e.g. a CRD run's, in GRPO
         fail(f"--resume {args.resume!r} is not a checkpoint of {script}")
@@ -339,11 +362,24 @@ def check_args(args) -> dict | None:
         fail(f"--epochs {args.epochs} is not past the checkpoint's {state['next_epoch']}")
     return state
 
+def load_state(save: str) -> dict | str:
+    """A checkpoint's state if it matches its checksum (written last), else why not."""
+    try:
+        with open(os.path.join(save, "state.pt"), "rb") as file:
+            data = file.read()
+        with open(os.path.join(save, "state.pt.sha256")) as file:
+            digest = file.read().strip()
+    except OSError as error:
+        return f"not a checkpoint directory ({error.strerror}: {error.filename})"
+    if hashlib.sha256(data).hexdigest() != digest:
+        return "corrupt: its state.pt does not match state.pt.sha256"
+    return torch.load(io.BytesIO(data), map_location="cpu")
+
 def load_prompts(path: str) -> tuple[list[str], list[dict]]:
     """A prompt per line, or JSONL with a `prompt`: the prompts, their metadata."""
     if not os.path.isfile(path):
         fail(f"prompt file {path!r} does not exist (docs/usage.md: prompt sets)")
-    with open(path, encoding="utf-8") as file:
+    with open(path, encoding="utf-8-sig") as file:  # a BOM is no part of a prompt
         lines = [line.strip() for line in file if line.strip()]
     if not lines:
         fail(f"prompt file {path!r} is empty")
@@ -428,8 +464,8 @@ def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where,
 
 def save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
                     optimizer, next_epoch, global_step, args):
-    """Atomic: a hidden temporary directory (--resume refuses it), then renamed.
-    `lora/`, `ema_lora/`: diffusers LoRAs; state.pt resumes (`extra`: snapshots)."""
+    """Written to a hidden directory, then renamed: `lora/`, `ema_lora/` (diffusers
+    LoRAs), state.pt to resume from, and its checksum, last."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     config = transformer.peft_config["default"].to_dict()
@@ -439,13 +475,27 @@ def save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
                 os.path.join(tmp, name), get_peft_model_state_dict(transformer),
                 transformer_lora_adapter_metadata=config)
     extra = {name: [p.cpu() for p in copies] for name, copies in snapshots.items()}
+    state = io.BytesIO()  # Python writes it: a full disk is an OSError naming it
     torch.save({"lora": [p.detach().cpu() for p in lora_params],
                 "ema": [p.cpu() for p in ema_params],
                 "optimizer": optimizer.state_dict(), "next_epoch": next_epoch,
                 "global_step": global_step, "args": asdict(args), "extra": extra,
-                "script": os.path.basename(__file__)}, f"{tmp}/state.pt")
-    shutil.rmtree(path, ignore_errors=True)
+                "script": os.path.basename(__file__)}, state)
+    with open(f"{tmp}/state.pt", "wb") as file:
+        file.write(state.getvalue())
+    with open(f"{tmp}/state.pt.sha256", "w") as file:
+        file.write(hashlib.sha256(state.getvalue()).hexdigest())
     os.rename(tmp, path)
+
+def prune_checkpoints(run_dir: str, current: str, save_every: int):
+    """Drop the checkpoints but current that are not on the --save-every grid."""
+    for save in glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")):
+        if save != current and int(save[-5:]) % save_every:
+            shutil.rmtree(save)
+
+def last_checkpoint(run_dir: str) -> str:
+    saves = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
+    return saves[-1] if saves else "none saved yet"
 
 @contextmanager
 def swapped(params, copies):
@@ -468,14 +518,33 @@ def adapters_disabled(transformer):
         transformer.enable_adapters()
 
 def prepare_run_dir(run_dir: str, start_epoch: int):
-    """Make the run directory; drop a crashed save and redone epochs' metrics."""
-    for tmp in glob.glob(os.path.join(run_dir, "checkpoints", ".*")):
-        shutil.rmtree(tmp)
+    """Go on at start_epoch: drop crashed saves, and the checkpoints and metrics of
+    the epochs it redoes; replace metrics.jsonl whole, without a cut-off line."""
+    folder = os.path.join(run_dir, "checkpoints")
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        if name[0] == "." or int(name[-5:]) > start_epoch:  # hidden: a crashed save
+            shutil.rmtree(os.path.join(folder, name))
     path = os.path.join(run_dir, "metrics.jsonl")
     lines = open(path).readlines() if os.path.exists(path) else []
-    os.makedirs(run_dir, exist_ok=True)
-    with open(path, "w") as file:
+    if lines and not lines[-1].endswith("\n"):
+        say(f"dropping the last line of {path}: a full disk cut it short")
+        lines.pop()
+    with open(path + ".tmp", "w") as file:
         file.writelines(x for x in lines if json.loads(x)["epoch"] < start_epoch)
+    os.replace(path + ".tmp", path)
+
+def contact_sheet(rows: list[tuple[str, list]], cell: int = 128) -> Image.Image:
+    """Each row's images (H, W, 3), at least `cell` pixels wide, under its label."""
+    size = max(cell, rows[0][1][0].shape[0])
+    width = max(640, size * max(len(images) for _, images in rows))
+    sheet = Image.new("RGB", (width, len(rows) * (size + 24)), "white")
+    draw = ImageDraw.Draw(sheet)
+    for row, (label, images) in enumerate(rows):
+        draw.text((4, row * (size + 24) + 4), label, "black", ImageFont.load_default(14))
+        for column, image in enumerate(images):
+            image = Image.fromarray(image).resize((size, size), Image.NEAREST)
+            sheet.paste(image, (column * size, row * (size + 24) + 24))
+    return sheet
 
 def rank_mean(values: dict[str, float], world: int, device) -> dict[str, float]:
     """Each value's mean over ranks: the run's statistics, not rank 0's."""
@@ -492,18 +561,17 @@ def check_finite(where: str, run_dir: str, **values):
     """Stop with a line naming the first non-finite value and the last checkpoint."""
     for name, value in values.items():
         if not torch.isfinite(torch.as_tensor(value)).all():
-            saves = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
-            last = saves[-1] if saves else "none saved yet"
-            fail(f"non-finite {name} at {where}; stopping. Last checkpoint: {last}")
+            fail(f"non-finite {name} at {where}; stopping. Last checkpoint: "
+                 f"{last_checkpoint(run_dir)}")
 
 if __name__ == "__main__":
     # TRY NOT TO MODIFY: input checks, rewards, run directory, before the model loads
     args = tyro.cli(Args, description=__doc__.split("\n\n")[0])
+    state = check_args(args)
     train_prompts, train_meta = [], []  # --eval-only trains on none
     if not args.eval_only:
         train_prompts, train_meta = load_prompts(args.train_prompts)
     test_prompts, test_meta = load_prompts(args.test_prompts)
-    state = check_args(args)
     rank = 0
     world = 1
     device = torch.device("cpu")
@@ -518,6 +586,7 @@ if __name__ == "__main__":
     if quiet:  # the model-loading bars too
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.set_verbosity_error()  # e.g. every truncated prompt
     try:  # a bad reward file, or a reward server not answering, fails here
         rewards.check_prompts(args.reward, train_prompts)
         rewards.check_prompts(args.eval_reward or args.reward, test_prompts)
@@ -527,16 +596,16 @@ if __name__ == "__main__":
             eval_reward_fn = rewards.build_reward(args.eval_reward, device=device)
     except ValueError as error:
         fail(str(error))
+    if len(train_prompts) < args.prompts_per_epoch and not args.eval_only:
+        say(f"{args.train_prompts} has fewer than --prompts-per-epoch prompts: they "
+            "are drawn with replacement")
     images_per_epoch = args.prompts_per_epoch * args.group_size
     if images_per_epoch % (world * args.batch_size):
         fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split "
              f"into {world} GPUs x --batch-size {args.batch_size}")
     local_images = images_per_epoch // world  # sampled by this rank per epoch
     num_batches = local_images // args.batch_size
-    run_name = [f"{args.exp_name}__{args.seed}__{int(time.time())}"]
-    if world > 1:
-        dist.broadcast_object_list(run_name, src=0)
-    run_dir = os.path.join(args.output_dir, run_name[0])
+    run_dir = None  # a new run's is made once the model has loaded
     parent = os.path.dirname(os.path.abspath(args.resume or "."))
     if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
         run_dir = os.path.dirname(parent)  # a resumed run goes on in its directory
@@ -548,12 +617,14 @@ if __name__ == "__main__":
     if num_batches % args.updates_per_epoch:
         fail(f"{num_batches} micro-batches per GPU per epoch do not split into "
              f"--updates-per-epoch {args.updates_per_epoch}")
-    window_size = args.sde_window_size
+    window_size = args.sde_window_size or args.sde_random_steps
     window_range = args.sde_window_range or (0, args.num_steps // 2)
     low, high = window_range
     if window_size and not 0 <= low <= high - window_size < high <= args.num_steps:
-        fail(f"--sde-window-size {window_size} does not fit --sde-window-range "
-             f"{low} {high} (0 <= A <= B - K, B <= --num-steps)")
+        fail(f"--sde-window-size {window_size} does not fit --sde-window-range {low} "
+             f"{high} (0 <= A <= B - K, B <= --num-steps)")
+    if args.sde_window_size and args.sde_random_steps:
+        fail("--sde-window-size or --sde-random-steps: one of them")
     num_train_steps = window_size or int(args.num_steps * args.timestep_fraction)
     if num_train_steps < 1:
         fail(f"--timestep-fraction {args.timestep_fraction} trains no step of "
@@ -562,12 +633,10 @@ if __name__ == "__main__":
         fail("--trust-region ratio-norm needs --sde-kind flow "
              "(it normalises a Gaussian log-ratio; CPS's log-prob is not one)")
     accum_steps = num_batches // args.updates_per_epoch * num_train_steps
-    if rank == 0 and not args.eval_only:
-        devices = "GPU(s)" if device.type == "cuda" else "process(es)"
-        print(f"{world} {devices} x {num_batches} micro-batches x {args.batch_size} = "
-              f"{images_per_epoch} images/epoch ({args.prompts_per_epoch} prompts x "
-              f"{args.group_size}); {args.updates_per_epoch} updates/epoch of "
-              f"{accum_steps} micro-steps each; run dir {run_dir}")
+    if not args.eval_only:
+        say(f"{world} process(es) x {num_batches} micro-batches x {args.batch_size} = "
+            f"{images_per_epoch} images/epoch; {args.updates_per_epoch} updates/epoch "
+            f"of {accum_steps} micro-steps each")
 
     # TRY NOT TO MODIFY: the model: frozen base in bf16/fp16, LoRA in fp32
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
@@ -593,8 +662,7 @@ if __name__ == "__main__":
             block.compile(dynamic=False)
     optimizer = torch.optim.AdamW(lora_params, lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
-    fp16 = args.mixed_precision == "fp16"
-    scaler = torch.amp.GradScaler(device.type, enabled=fp16)
+    scaler = torch.amp.GradScaler(enabled=args.mixed_precision == "fp16")
     ema_params = [p.detach().clone() for p in lora_params]
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     latent_size = args.resolution // pipe.vae_scale_factor
@@ -614,7 +682,7 @@ if __name__ == "__main__":
     eval_sigmas = pipe.scheduler.sigmas.float()
     snapshots = {}  # GRPO keeps no LoRA copy but the EMA
 
-    # TRY NOT TO MODIFY: resume, logging, eval
+    # TRY NOT TO MODIFY: resume, run directory, signals, logging, eval
     start_epoch = 0
     global_step = 0
     if state is not None:
@@ -626,7 +694,15 @@ if __name__ == "__main__":
         optimizer.load_state_dict(state["optimizer"])
         start_epoch = state["next_epoch"]
         global_step = state["global_step"]
-    if rank == 0:  # a run that fails earlier leaves no directory behind
+    if rank == 0 and run_dir is None:  # made only now: a failed start leaves none
+        name = f"{args.exp_name}__{args.seed}__{int(time.time())}_"
+        run_dir = tempfile.mkdtemp(prefix=name, dir=args.output_dir)  # its run's alone
+    shared = [run_dir]
+    if world > 1:
+        dist.broadcast_object_list(shared, src=0)
+    run_dir = shared[0]
+    if rank == 0:
+        print(f"run dir {run_dir}")
         prepare_run_dir(run_dir, start_epoch)
     if args.track and rank == 0:
         import wandb
@@ -634,11 +710,24 @@ if __name__ == "__main__":
                    name=os.path.basename(run_dir), config=vars(args), save_code=True,
                    dir=run_dir)
 
+    def stop(reason: str, code: int = 1):
+        """End at once, queued rewards dropped: the run is in its checkpoints."""
+        say(f"{reason}; --resume latest continues from {last_checkpoint(run_dir)}")
+        rewards.cancelled.set()
+        sys.stdout.flush()
+        os._exit(code)
+
+    for number in (signal.SIGTERM, signal.SIGINT):  # preemption, Ctrl-C
+        signal.signal(number, lambda number, _: stop(
+            f"stopped by {signal.Signals(number).name}", 128 + number))
+
     def log(metrics: dict, epoch: int):
         if rank != 0:
             return
+        strict = {name: None if isinstance(value, float) and not math.isfinite(value)
+                  else value for name, value in metrics.items()}  # JSON has no NaN
         with open(os.path.join(run_dir, "metrics.jsonl"), "a") as file:
-            file.write(json.dumps({"epoch": epoch, **metrics}) + "\n")
+            file.write(json.dumps({"epoch": epoch, **strict}) + "\n")
         if args.track:  # the eval sheets as images
             sheets = {name: wandb.Image(os.path.join(run_dir, value))
                       for name, value in metrics.items() if name.endswith("sheet")}
@@ -646,60 +735,64 @@ if __name__ == "__main__":
 
     @torch.no_grad()
     def run_eval(epoch: int, prefix: str = "eval/") -> dict:
-        """Score the EMA's ODE samples of the test prompts: prompt i on rank i % world,
-        from noise seed i (the same on any GPU count)."""
-        by_prompt = {}  # test prompt -> its indices
-        for i, text in enumerate(test_prompts):
-            by_prompt.setdefault(text, []).append(i)
-        cols = math.ceil(math.sqrt(args.eval_sheet_size))  # a row per prompt
-        sheet_ids = [i for ids in by_prompt.values() for i in ids[:cols]]
-        sheet_ids = sheet_ids[: args.eval_sheet_size]
+        """Score the EMA's ODE samples (EMA 0: the LoRA), one per test prompt i and eval
+        seed s, from noise seeded (s, i): the same on any GPU count."""
+        items = [(i, seed) for seed in args.eval_seeds for i in range(len(test_prompts))]
+        by_prompt = {}  # test prompt -> its items
+        for item in items:
+            by_prompt.setdefault(test_prompts[item[0]], []).append(item)
+        # The contact sheet: the first 4 samples of the first 4 test prompts
+        shown = [item for row in list(by_prompt.values())[:4] for item in row[:4]]
         transformer.eval()  # as in sampling: compiled graphs depend on the mode
-        scores = []
-        sheet = {}
-        thumbs = {}
-        my_prompts = list(range(rank, len(test_prompts), world))
-        for start in range(0, len(my_prompts), args.eval_batch_size):
-            ids = my_prompts[start : start + args.eval_batch_size]
-            prompts = [test_prompts[i] for i in ids]
+        results = {}  # item -> its scores, 32x32 thumbnail, image if shown
+        mine = items[rank::world]
+        for start in range(0, len(mine), args.eval_batch_size):
+            batch = mine[start : start + args.eval_batch_size]
+            prompts = [test_prompts[i] for i, _ in batch]
             noise = torch.stack([
                 torch.randn(latent_shape, device=device,
-                            generator=seeded_generator(device, args.seed, i))
-                for i in ids])
+                            generator=seeded_generator(device, seed, i))
+                for i, seed in batch])
             text = encode(pipe, prompts, device, args.max_sequence_length)
-            with swapped(lora_params, ema_params):  # with EMA 0: the LoRA
+            with swapped(lora_params, ema_params):
                 final = ode_sample(partial(velocity, text=text), noise, eval_sigmas)
             images = decode(pipe.vae, final)
-            meta = [test_meta[i] for i in ids]
-            batch_scores, info = eval_reward_fn(images.cpu(), prompts, meta)
+            meta = [test_meta[i] for i, _ in batch]
+            try:
+                batch_scores, info = eval_reward_fn(images.cpu(), prompts, meta)
+            except rewards.RewardError as error:
+                stop(f"error: {error} in the eval after {epoch} epochs")
             columns = {"reward_mean": batch_scores, **info}
-            for j in range(len(ids)):
-                scores.append({name: float(values[j]) for name, values in columns.items()})
             pixels = images.permute(0, 2, 3, 1).cpu().numpy() * 255
             pixels = pixels.round().astype(np.uint8)
-            sheet.update({i: image for i, image in zip(ids, pixels) if i in sheet_ids})
             small = torch.nn.functional.interpolate(images, size=32, mode="area")
-            thumbs.update(zip(ids, small.flatten(1).cpu()))
+            for j, item in enumerate(batch):
+                row = {name: float(values[j]) for name, values in columns.items()}
+                image = pixels[j] if item in shown else None
+                results[item] = (row, small[j].flatten().cpu(), image)
         if world > 1:
             gathered = [None] * world
-            dist.all_gather_object(gathered, (scores, sheet, thumbs))
-            scores = [score for part, _, _ in gathered for score in part]
-            sheet = {i: image for _, part, _ in gathered for i, image in part.items()}
-            thumbs = {i: small for _, _, part in gathered for i, small in part.items()}
-        means = {name: float(np.mean([row[name] for row in scores]))
-                 for name in scores[0]}
-        groups = [torch.stack([thumbs[i] for i in ids]) for ids in by_prompt.values()]
+            dist.all_gather_object(gathered, results)
+            results = {item: result for part in gathered for item, result in part.items()}
+        rows = [results[item][0] for item in items]
+        means = {name: float(np.mean([row[name] for row in rows])) for name in rows[0]}
+        values = [row["reward_mean"] for row in rows]
+        means["reward_stderr"] = float(np.std(values, ddof=1) / len(rows) ** 0.5)
+        groups = [torch.stack([results[item][1] for item in row])
+                  for row in by_prompt.values()]
         distances = [torch.pdist(group).mean() / group.shape[1] ** 0.5
                      for group in groups if len(group) > 1]
         if distances:  # RMS pixel distance of two samples of one prompt
             means["diversity"] = float(torch.stack(distances).mean())
-        if rank == 0:  # the contact sheet: black cells end the last row
-            cells = [sheet[i] for i in sheet_ids]
-            cells += [np.zeros_like(cells[0])] * (-len(cells) % cols)
-            rows = [np.concatenate(cells[i : i + cols], axis=1)
-                    for i in range(0, len(cells), cols)]
+        if rank == 0:  # a row per test prompt, labelled with its mean reward
+            labelled = []
+            for text, row in by_prompt.items():
+                reward = np.mean([results[item][0]["reward_mean"] for item in row])
+                images = [results[item][2] for item in row if item in shown]
+                if images:
+                    labelled.append((f"{reward:.3f}  {text}", images))
             path = os.path.join(run_dir, f"eval_{epoch:05d}.png")
-            Image.fromarray(np.concatenate(rows, axis=0)).save(path)
+            contact_sheet(labelled).save(path)
             name = args.eval_reward or args.reward
             print(f"eval after {epoch} epochs: {name} = {means['reward_mean']:.4f}")
             means["sheet"] = os.path.basename(path)  # in the run directory
@@ -738,12 +831,15 @@ if __name__ == "__main__":
         futures = []  # their rewards
         for groups in tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet,
                            leave=False):
-            text = epoch_text.rows(groups)
+            text = Text(epoch_text.embeds[groups], epoch_text.pooled[groups])
             noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen,
                                 device=device)
             window = sde_window(window_size, window_range, args.num_steps, noise_gen,
-                                epoch, args.window_shift_every)
-            out = rollout(partial(velocity, text=text), noise, sigmas, window,
+                                epoch, args.window_shift_every, args.window_stride)
+            steps = range(*window)
+            if args.sde_random_steps:  # UniRL's draw: per epoch, alike on every rank
+                steps = sde_steps(args.sde_random_steps, window_range, epoch)
+            out = rollout(partial(velocity, text=text), noise, sigmas, steps,
                           args.sde_kind, args.noise_level, noise_gen)
             images = decode(pipe.vae, out.sample).cpu()
             prompts = [epoch_prompts[group] for group in groups]
@@ -753,7 +849,10 @@ if __name__ == "__main__":
 
         # TRY NOT TO MODIFY: all ranks' rewards, in rank order, and the advantages
         reward_start = clock(device)
-        scores, infos = zip(*[future.result() for future in futures])
+        try:
+            scores, infos = zip(*[future.result() for future in futures])
+        except rewards.RewardError as error:
+            stop(f"error: {error} at epoch {epoch}")
         info = {name: torch.cat([part[name] for part in infos]) for name in infos[0]}
         all_rewards = torch.cat(scores).float().to(device)
         all_rewards = all_gather_cat(all_rewards, world).cpu()  # (P*G,)
@@ -785,11 +884,10 @@ if __name__ == "__main__":
         progress = tqdm(batches, f"epoch {epoch} training", disable=quiet, leave=False)
         for (text, out), batch_advantages in zip(progress, my_advantages):
             for j in range(num_train_steps):
-                step = out.start + j  # the window's j-th step
-                sigma = sigmas[step]
-                sigma_next = sigmas[step + 1]
+                sigma = sigmas[out.steps[j]]
+                sigma_next = sigmas[out.steps[j] + 1]
                 x = out.latents[:, j]
-                x_next = out.latents[:, j + 1]  # the rollout's draw
+                x_next = out.next_latents[:, j]  # the rollout's draw
                 v = velocity(x, sigma, text)
                 _, log_prob, mean, std = sde_step(
                     v, x, sigma, sigma_next, args.sde_kind, args.noise_level,
@@ -802,14 +900,17 @@ if __name__ == "__main__":
                         ref_v, x, sigma, sigma_next, args.sde_kind, args.noise_level,
                         prev_sample=x_next, second_sigma=sigmas[1])
                 # The KL's sigma: Flow-GRPO's sigma_t, without sqrt(-dt); CPS's std.
+                # Flow-DPPO's: UniRL's at every step (sde.py); CPS's std again.
                 kl_sigma = std.flatten()
+                dppo_std = std
                 if args.sde_kind == "flow":
                     kl_sigma = flow_sigma_t(sigma, args.noise_level, sigmas[1])
+                    dppo_std = dppo_kl_std(sigma, sigma_next, args.noise_level)
                 loss, ratio, step_stats = grpo_loss(
                     log_prob=log_prob, old_log_prob=out.log_probs[:, j],
                     advantages=batch_advantages, mean=mean,
                     old_mean=out.means[:, j], std=std, ref_mean=ref_mean,
-                    kl_sigma=kl_sigma, abs_dt=sigma - sigma_next,
+                    kl_sigma=kl_sigma, dppo_std=dppo_std, abs_dt=sigma - sigma_next,
                     trust_region=args.trust_region, clip_range=args.clip_range,
                     dppo_threshold=args.dppo_threshold, adv_clip=args.adv_clip,
                     kl_beta=args.kl_beta, accum_steps=accum_steps)
@@ -849,7 +950,7 @@ if __name__ == "__main__":
                    f"kl {metrics['losses/kl']:.3e} | ratio dev {on_policy_dev:.1e} "
                    f"| clipfrac {metrics['losses/clipfrac']:.3f}")
 
-        # TRY NOT TO MODIFY: shared metrics, final eval, the summary line, checkpoints
+        # TRY NOT TO MODIFY: shared metrics, the line, checkpoint, final eval, card
         epoch_end = clock(device)
         epoch_seconds = epoch_end - epoch_start
         compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -882,18 +983,22 @@ if __name__ == "__main__":
                     f"{metrics['perf/images_per_sec']:.2f} img/s | "
                     f"{epoch_seconds:.0f}s")
             if "eval/reward_mean" in metrics:
-                line += f" | eval {metrics['eval/reward_mean']:.4f}"
-            print(line)
-        if epoch + 1 == args.epochs:  # logged with the last epoch, printed after it
-            metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
-        log(metrics, epoch)
-        if (epoch + 1) % args.save_every == 0 or epoch + 1 == args.epochs:
+                line += (f" | eval {metrics['eval/reward_mean']:.4f} ± "
+                         f"{metrics['eval/reward_stderr']:.4f}")
+            print(line + " (nan: a reward gave no number)" * ("nan" in line))
+        path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
+        try:  # saved each epoch: a preemption loses at most the epoch under way
             if rank == 0:
-                path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
                 save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
                                 optimizer, epoch + 1, global_step, args)
+                prune_checkpoints(run_dir, path, args.save_every)
             if world > 1:
                 dist.barrier()
+            if epoch + 1 == args.epochs:  # logged with the last epoch
+                metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
+            log(metrics, epoch)
+        except (OSError, SafetensorError) as error:
+            stop(f"error: {error} (saving epoch {epoch + 1})")
     executor.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -5,6 +5,7 @@
 
 `images`: float (B, 3, H, W) in [0, 1] or PIL; `metadata`: a JSONL prompt file's extra fields.
 A spec term is `name[option=value;...]=weight` or `path/to/file.py:function` (same contract).
+File rewards get tensors (also served); `fn.check_prompts` may vet prompts.
 """
 
 import base64
@@ -54,41 +55,80 @@ def one_line(text, limit: int = 300) -> str:
         text = text.decode(errors="replace")
     return " ".join(str(text).split())[:limit]
 
-def call(url, body=None, content_type="application/json", timeout=30.0, retries=0, token=""):
-    """POST `body` and return the reply, or fail in one line naming the URL. Timeouts and 5xx
-    retry with backoff (1 s, 2 s, 4 s, ...); a 4xx or nothing listening fails at once. No body:
-    the build-time probe, one GET (ValueError): any answer but 401/403 means a server listens."""
-    timeout, retries = float(timeout), int(retries)  # spec options arrive as strings
-    probing = body is None
-    error = ValueError if probing else RuntimeError
+WAIT_LINE_EVERY, WAIT_POLL = 60.0, 1.0  # s between waiting lines, polls
+cancelled = threading.Event()  # set: every wait ends now (a script stops)
+said = {}  # url -> time of its last line (one for all requests)
+
+class RewardError(ValueError):
+    """A failed reward, in one line naming it (`.reward`)."""
+    def __init__(self, reward: str, what: str):
+        super().__init__(f"reward {reward!r}: {what}")
+        self.reward = reward
+
+def answer(url, body, headers, timeout, reward, start):
+    """One try, on a daemon thread (an exit never waits for it): (HTTP
+    status, reply or error), or (0, None): no reply in `timeout` s."""
+    box = []
+    def run():
+        try:
+            try:
+                request = urllib.request.Request(url, body, headers)
+                with urllib.request.urlopen(request, timeout=timeout) as got:
+                    box.append((200, got.read(64 << 20)))  # longer is cut
+            except urllib.request.HTTPError as error:  # an answer: why
+                box.append((error.code, one_line(error.read(500))))
+        except Exception as failure:  # none, or not an http(s) URL
+            box.append((0, failure))
+    thread = threading.Thread(target=run, daemon=True)
+    deadline = time.monotonic() + timeout
+    if not cancelled.is_set():
+        thread.start()
+    while thread.is_alive() and not cancelled.is_set():
+        now = time.monotonic()
+        if now >= deadline:
+            return 0, None
+        if now - max(said.get(url, start), start) >= WAIT_LINE_EVERY:
+            said[url], waited = now, f"{now - start:.0f} s"
+            print(f"still waiting for {reward} at {url} ({waited})", flush=True)
+        thread.join(min(WAIT_POLL, deadline - now))
+    if cancelled.is_set():
+        raise RewardError(reward, f"stopped waiting for {url}")
+    return box[0]
+
+def call(reward, url, body=None, content_type="application/json",
+         timeout=30.0, retries=0, token=""):
+    """POST `body` for `reward`: the reply, or RewardError. Timeouts and
+    5xx retry after 1 s, 2 s, 4 s, ...; a 4xx or nothing listening fails
+    at once. No body: the build-time probe, a GET: any answer but
+    401/403 means a server listens."""
+    timeout, retries = float(timeout), int(retries)  # options are str
+    probing, start = body is None, time.monotonic()
     headers = {"Content-Type": content_type}
     if token:
         headers["Authorization"] = f"Bearer {token}"
+    server = f"reward server {url}"
     for attempt in range(retries + 1):
-        try:
-            request = urllib.request.Request(url, body, headers)
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                return response.read(64 << 20)  # a few numbers per image: longer is cut
-        except (OSError, ValueError) as failure:
-            # HTTPError: an answer; URLError: none; ValueError: not an http(s) URL
-            status = getattr(failure, "code", 0)
-            reason = getattr(failure, "reason", failure)
-            if status in (401, 403) or (not probing and 0 < status < 500):
-                detail = one_line(failure.read(500))
-                raise error(f"reward server {url} answered HTTP {status}: {detail}") from None
-            if probing and status:
-                return b""  # any other answer to the probe: a server listens
-            if probing or isinstance(reason, ConnectionRefusedError):
-                detail = one_line(getattr(reason, "strerror", 0) or reason)
-                raise error(f"reward server {url} is not reachable: {detail} "
-                            "(is the server running there?)") from None
-            last_failure = failure  # a 5xx, a reset, a timeout: maybe transient
-        if attempt < retries:
-            time.sleep(2**attempt)
-    raise error(f"reward server {url} failed after {retries + 1} tries "
-                f"({timeout:g}s timeout each): {one_line(last_failure)}")
+        if attempt:
+            time.sleep(2 ** (attempt - 1))
+        status, reply = answer(url, body, headers, timeout, reward, start)
+        if status == 200:
+            return reply
+        if status in (401, 403) or (not probing and 0 < status < 500):
+            raise RewardError(reward, f"{server} answered HTTP {status}: {reply}")
+        if probing and status:
+            return b""  # any other answer to the probe: a server listens
+        reason = getattr(reply, "reason", reply)
+        if reply is None or isinstance(reason, TimeoutError):
+            reason = f"no reply in {timeout:g} s"
+        if probing or isinstance(reason, ConnectionRefusedError):
+            detail = one_line(getattr(reason, "strerror", 0) or reason)
+            raise RewardError(reward, f"{server} is not reachable: "
+                              f"{detail} (is the server running there?)")
+        last = f"HTTP {status}: {reply}" if status else one_line(reason)
+    tries = f"{retries + 1} tries ({timeout:g} s each)"
+    raise RewardError(reward, f"{server} failed after {tries}: {last}")
 
-def read_reply(url: str, raw: bytes, count: int, parse) -> tuple[torch.Tensor, dict]:
+def read_reply(reward, url, raw: bytes, count: int, parse):
     """parse(raw) -> (scores, info), `count` finite float32 numbers each, or a one-line error."""
     try:
         scores, info = parse(raw)
@@ -100,7 +140,7 @@ def read_reply(url: str, raw: bytes, count: int, parse) -> tuple[torch.Tensor, d
                 raise ValueError(f"expected {count} finite numbers, got {shown}")
     except Exception as error:
         reason = f"{type(error).__name__}: {one_line(error)}"
-        raise RuntimeError(f"reward server {url} sent a malformed reply ({reason})") from None
+        raise RewardError(reward, f"reward server {url} sent a malformed reply ({reason})")
     return scores, info
 
 # ---- OCR (Flow-GRPO's text-rendering reward) ----
@@ -243,12 +283,13 @@ def jpeg(scale: float):
     return fn
 
 # ---- Network rewards: GenEval server, VLM judges (OpenAI API), any served reward ----
-def geneval(url="http://127.0.0.1:18085", timeout=120.0, retries=5, batch_size=64, key="scores"):
+def geneval(url="http://127.0.0.1:18085", timeout=120.0, retries=1,
+            batch_size=64, key="scores"):
     """GenEval reward-server client (yifan123/reward-server; flow_grpo geneval_score): partial
     credit, or `key=rewards`: official-style correctness, the paper metric; logs the strict."""
     if key not in ("scores", "rewards", "strict_rewards"):
         raise ValueError(f"geneval key must be scores, rewards or strict_rewards, not {key!r}")
-    call(url)
+    call("geneval", url)
     class PlainData(pickle.Unpickler):  # replies are pickles: build plain data, run no code
         def find_class(self, module, name):
             message = f"it references {module}.{name}; only plain data is accepted"
@@ -263,20 +304,23 @@ def geneval(url="http://127.0.0.1:18085", timeout=120.0, retries=5, batch_size=6
             end = start + int(batch_size)
             request = {"images": [encoded(image, "JPEG") for image in images[start:end]],
                        "meta_datas": list(metadata[start:end]), "only_strict": key != "rewards"}
-            raw = call(url, pickle.dumps(request), "application/octet-stream", timeout, retries)
-            batch_scores, info = read_reply(url, raw, len(request["images"]), parse)
+            raw = call("geneval", url, pickle.dumps(request),
+                       "application/octet-stream", timeout, retries)
+            batch_scores, info = read_reply("geneval", url, raw, len(request["images"]), parse)
             scores.append(batch_scores)
             strict.append(info["strict"])
         return torch.cat(scores), {"geneval_strict": torch.cat(strict)}
     return fn
 
-def chat_reward(url, model, api_key, text, timeout, retries, workers, score_reply,
-                resize=0, **request_options):
+def chat_reward(reward, url, model, api_key, text, timeout, retries,
+                workers, score_reply, resize=0, **request_options):
     """Score each (image, prompt) by one OpenAI-compatible /chat/completions call of `text`:
     score_reply(reply JSON) -> float; `resize`: side of the square image sent (0: as is)."""
-    call(url, token=api_key)
+    call(reward, url, token=api_key)
     pool = ThreadPoolExecutor(max_workers=int(workers))
     endpoint = url.rstrip("/") + "/chat/completions"
+    def parse(raw: bytes):
+        return [score_reply(json.loads(raw))], {}
     def score(image: Image.Image, prompt: str) -> torch.Tensor:
         if int(resize):
             image = image.resize((int(resize), int(resize)))
@@ -285,11 +329,15 @@ def chat_reward(url, model, api_key, text, timeout, retries, workers, score_repl
                    {"type": "text", "text": text.format(prompt=prompt)}]
         body = json.dumps({"model": model, "temperature": 0.0, **request_options,
                            "messages": [{"role": "user", "content": content}]}).encode()
-        raw = call(endpoint, body, "application/json", timeout, retries, api_key)
-        scores, _ = read_reply(url, raw, 1, lambda raw: ([score_reply(json.loads(raw))], {}))
-        return scores  # (1,)
+        raw = call(reward, endpoint, body, "application/json", timeout, retries, api_key)
+        return read_reply(reward, url, raw, 1, parse)[0]  # (1,)
     def fn(images, prompts, metadata):
-        return torch.cat(list(pool.map(score, to_pil(images), prompts))), {}
+        futures = [pool.submit(score, *pair) for pair in zip(to_pil(images), prompts)]
+        try:
+            return torch.cat([done.result() for done in futures]), {}
+        finally:  # after a failure, what is queued is not sent
+            for future in futures:
+                future.cancel()
     return fn
 
 def vlm_judge(url="http://127.0.0.1:17140/v1", model="UnifiedReward-7b-v1.5", api_key="flowgrpo",
@@ -297,38 +345,39 @@ def vlm_judge(url="http://127.0.0.1:17140/v1", model="UnifiedReward-7b-v1.5", ap
                           "Judge how well the image follows the prompt and how good it "
                           "looks. Give a score from 1 to 5, then write 'Final Score: x'."
                           "\nPrompt: {prompt}",
-              timeout=60.0, retries=3, workers=16, resize=512):
+              timeout=60.0, retries=2, workers=16, resize=512):
     """UnifiedReward judge (flow_grpo unifiedreward_score_sglang): `Final Score: x` -> x / 5."""
     def score_reply(reply):
         answer = reply["choices"][0]["message"]["content"] or ""
         found = re.findall(r"Final Score:\s*([1-5](?:\.\d+)?)", answer)
         return float(found[0]) / 5 if found else 0.0
-    return chat_reward(url, model, api_key, instruction, timeout, retries, workers,
-                       score_reply, resize, max_tokens=512)
+    return chat_reward("vlm_judge", url, model, api_key, instruction, timeout, retries,
+                       workers, score_reply, resize, max_tokens=512)
 
 def vlm_yesno(url="http://127.0.0.1:17140/v1", model="Qwen/Qwen2.5-VL-7B-Instruct", api_key="",
               question='Does this image match the description: "{prompt}"? Answer Yes or No.',
-              timeout=60.0, retries=3, workers=16, top_logprobs=20):
+              timeout=60.0, retries=2, workers=16, top_logprobs=20):
     """P(Yes): summed probability of the first token's top logprobs that read `yes`."""
     def score_reply(reply):
         top = reply["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
         yes = [entry for entry in top if entry["token"].strip().lower() == "yes"]
         return sum(np.exp(entry["logprob"]) for entry in yes)
-    return chat_reward(url, model, api_key, question, timeout, retries, workers,
+    return chat_reward("vlm_yesno", url, model, api_key, question, timeout, retries, workers,
                        score_reply, max_tokens=1, logprobs=True, top_logprobs=int(top_logprobs))
 
-def remote(url="http://127.0.0.1:18090", timeout=300.0, retries=5, token=""):
+def remote(url="http://127.0.0.1:18090", timeout=120.0, retries=1, token=""):
     """Any reward served by `python rewards.py --serve`; token: default $REWARD_SERVER_TOKEN."""
     token = token or os.environ.get("REWARD_SERVER_TOKEN", "")
-    call(url, token=token)
+    call("remote", url, token=token)
     def parse(raw: bytes):
         reply = json.loads(raw)
         return reply["scores"], reply["info"]
     def fn(images, prompts, metadata):
         pngs = [base64.b64encode(encoded(image, "PNG")).decode() for image in to_pil(images)]
         request = {"images": pngs, "prompts": list(prompts), "metadata": list(metadata)}
-        raw = call(url, json.dumps(request).encode(), "application/json", timeout, retries, token)
-        return read_reply(url, raw, len(pngs), parse)
+        body = json.dumps(request).encode()
+        raw = call("remote", url, body, "application/json", timeout, retries, token)
+        return read_reply("remote", url, raw, len(pngs), parse)
     return fn
 
 # ---- Specs: parsing, building, combining ----
@@ -374,14 +423,33 @@ def parse_spec(spec: str) -> list[tuple[str, dict, float]]:
         parsed.append((name, options, float(weight or 1.0)))
     return parsed
 
+def file_reward(term: str):
+    """`path/to/file.py:function` -> (name, function): the file runs."""
+    path, name = term.rsplit(":", 1)
+    try:
+        namespace = runpy.run_path(path)
+    except Exception as error:  # a syntax error or failing import: one line
+        reason = f"{type(error).__name__}: {one_line(error)}"
+        raise ValueError(f"reward file {path!r} does not load: {reason}") from None
+    if not callable(namespace.get(name)):
+        raise ValueError(f"reward file {path!r} has no function {name!r}")
+    return name, namespace[name]
+
 def check_prompts(spec: str, prompts: list[str]):
-    """Cheap checks before any model loads: the spec parses, OCR prompts quote a target."""
+    """Cheap checks before any model loads: the spec parses, OCR prompts
+    quote a target, file rewards' `fn.check_prompts(prompts)` pass."""
     names = [name for name, _, _ in parse_spec(spec)]
     untargeted = [prompt for prompt in prompts if ocr_target(prompt) is None]
     if "ocr" in names and untargeted:
         raise ValueError("the ocr reward needs the target text in double quotes in every prompt, "
                          f"e.g. 'A sign that says \"hello\"'; {len(untargeted)} prompt(s) have "
                          f"none, first: {untargeted[0]!r}")
+    for term in [name for name in names if name not in REWARDS]:
+        name, fn = file_reward(term)  # build_reward runs it again
+        try:
+            getattr(fn, "check_prompts", lambda prompts: None)(list(prompts))
+        except ValueError as error:
+            raise ValueError(f"reward {name!r}: {one_line(error)}") from None
 
 def build_reward(spec: str, device="cpu"):
     """The weighted-sum reward of a spec. `.weights`: {component: weight}, components named
@@ -394,23 +462,22 @@ def build_reward(spec: str, device="cpu"):
         elif name in REWARDS:
             components[name] = REWARDS[name](**options)
         else:  # path/to/file.py:function, checked by parse_spec
-            path, name = name.rsplit(":", 1)
-            try:
-                components[name] = runpy.run_path(path).get(name)
-            except Exception as error:  # a syntax error or failing import: one line
-                reason = f"{type(error).__name__}: {one_line(error)}"
-                raise ValueError(f"reward file {path!r} does not load: {reason}") from None
-            if not callable(components[name]):
-                raise ValueError(f"reward file {path!r} has no function {name!r}")
+            name, function = file_reward(name)
+            components[name] = function
         weights[name] = weight
 
     def combined(images, prompts, metadata):
         total, info = torch.zeros(len(prompts)), {}
         for name, fn in components.items():
-            score, extras = fn(images, prompts, metadata)
-            for extra, values in extras.items():
-                info[extra] = torch.as_tensor(values, dtype=torch.float32).cpu()
-            info[name] = torch.as_tensor(score, dtype=torch.float32).cpu().reshape(len(prompts))
+            try:  # one line naming the reward
+                score, extras = fn(images, prompts, metadata)
+                for extra, values in extras.items():
+                    info[extra] = torch.as_tensor(values, dtype=torch.float32).cpu()
+                info[name] = torch.as_tensor(score, dtype=torch.float32).cpu().reshape(len(prompts))
+            except RewardError:
+                raise
+            except Exception as error:
+                raise RewardError(name, f"{type(error).__name__}: {one_line(error)}") from error
             total += weights[name] * info[name]
         return total, info
 
@@ -429,6 +496,7 @@ def make_server(serve: str, host: str = "127.0.0.1", port: int = 18090, token: s
                 device: str = "cuda" if torch.cuda.is_available() else "cpu"):
     """Serve a reward spec (`--serve hpsv2`, `--serve 'ocr=1,pickscore=0.5'`) to `remote[url=...]`:
     POST {images: [base64 PNG], prompts, metadata} -> {scores, info}; GET -> {reward}.
+    The reward gets (B, 3, H, W) floats in [0, 1], as in-process.
 
     Args:
         host: address to bind: loopback by default; 0.0.0.0 opens it to the network.
@@ -459,8 +527,12 @@ def make_server(serve: str, host: str = "127.0.0.1", port: int = 18090, token: s
             if image.width * image.height > max_pixels:
                 raise Refused(413, f"image {i} has {image.width}x{image.height} pixels, "
                                    f"over this server's limit of {max_pixels} (--max-pixels)")
-        with one_at_a_time:
-            scores, info = reward_fn([image.convert("RGB") for image in images], prompts, metadata)
+        with one_at_a_time:  # as in-process: (B, 3, H, W) in [0, 1]
+            pixels = [np.asarray(image.convert("RGB")) for image in images]
+            if len({array.shape for array in pixels}) > 1:
+                raise Refused(400, "images of one request differ in size")
+            batch = torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2).float() / 255
+            scores, info = reward_fn(batch, prompts, metadata)
         info = {name: values.tolist() for name, values in info.items()}
         return {"scores": scores.tolist(), "info": info}
 

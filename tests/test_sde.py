@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sde import (dppo_keep, flow_sigma_t, gaussian_log_prob, sde_step, sde_window, shift_sigmas,
-                 step_kl)
+from sde import (dpm_step, dppo_keep, dppo_kl_std, flash_sigmas, flow_sigma_t, gaussian_log_prob,
+                 ratio_norm_log_ratio, sde_step, sde_steps, sde_window, shift_sigmas, step_kl)
 
 SHAPE = (2, 3, 4, 4)  # (B, C, H, W)
 BATCH = SHAPE[0]
@@ -217,14 +217,14 @@ def test_cps_last_step_scores_a_given_sample_with_gradient():
 
 
 def test_sde_py_stays_readable():
-    """Issue 24's budget for the shared math: at most 250 lines of at most 100 columns."""
+    """Issue 41's budget for the shared math: at most 280 lines of at most 100 columns."""
     lines = (Path(__file__).parent.parent / "sde.py").read_text().splitlines()
-    assert len(lines) <= 250
+    assert len(lines) <= 280
     assert [line for line in lines if len(line) > 100] == []
 
 
 # ---- Issue 28: Flow-DPPO's mask and KL, MixGRPO's window ----
-# Golden numbers from the upstream rules (/work notes: a trimmed re-implementation of
+# Golden numbers from the upstream rules (project notes: a trimmed re-implementation of
 # Tencent-Hunyuan/UniRL@1a7b501 unirl/algorithms/flowdppo.py::_flowdppo_kl_adv_loss and
 # Tencent-Hunyuan/MixGRPO@e5cdd6a fastvideo/utils/grpo_states.py::GRPOTrainingStates, run
 # on these inputs).
@@ -273,16 +273,345 @@ def test_dppo_golden_case_from_upstreams_rule():
     assert torch.stack(terms).mean().item() == pytest.approx(-0.0744814, abs=1e-6)
 
 
-@pytest.mark.parametrize("window_range,shift_every,stride,expected", [
-    # MixGRPO's scripts: 25 steps (windows in steps [0, 23)), window 4, every 25 iterations,
-    # stride 1: upstream's start floor(k / 25) mod 24 agrees while the window fits (k < 500)
-    ((0, 23), 25, 1, {0: 0, 24: 0, 25: 1, 100: 4, 299: 11, 499: 19}),
-    # UniRL's sd3_mixgrpo: 10 steps, window 4, overlap 1 (stride 3), every 25: it wraps
-    ((0, 10), 25, 3, {0: 0, 25: 3, 50: 6, 75: 0, 1000: 3}),
+# ---- Issue 41: the 2026 recipes as upstream runs them ----
+# Golden numbers below were produced by copying upstream's own functions into a scratch folder
+# outside this repository (with stubs for their package imports), running them on the inputs
+# written here, and pasting their outputs; torch 2.13.0 (CPU), numpy 2.4.6, diffusers 0.42.1.
+# UniRL: Tencent-Hunyuan/UniRL@1a7b501; MixGRPO: Tencent-Hunyuan/MixGRPO@e5cdd6a.
+UNIRL_GRID = [1.0, 0.964285671710968, 0.9230769872665405, 0.8749999403953552, 0.8181818127632141,
+              0.75, 0.6666666865348816, 0.5625, 0.4285714626312256, 0.25, 0.0]
+
+
+def unirl_grid() -> torch.Tensor:
+    return shift_sigmas(torch.linspace(1, 0, 11), 3.0)
+
+
+def test_unirl_sd3_grid_is_shifted_uniform():
+    """UniRL's SD3 sigma grid (unirl/sde/runtime.py get_sigma_schedule(10, shift=3.0), static
+    branch), printed: shift(linspace(1, 0, 11)), not diffusers' SD3 grid (whose second-to-last
+    sigma is 0.0089, UniRL's 0.25)."""
+    assert unirl_grid().tolist() == UNIRL_GRID
+
+
+def test_dppo_kl_std_is_unirls_at_every_step():
+    """UniRL's FlowDPPO._compute_sigma_t (unirl/algorithms/flowdppo.py), called unbound on a
+    segment with these sigmas, eta 0.7, all 10 steps of UniRL's grid; then steps 0-4 of
+    diffusers' SD3 grid (FlowMatchEulerDiscreteScheduler(shift=3).set_timesteps(10))."""
+    want = [1.322877049446106, 0.7383700013160706, 0.5316891074180603, 0.4414590299129486,
+            0.3877381682395935, 0.34999993443489075, 0.31950485706329346, 0.29047369956970215,
+            0.2561738193035126, 0.20207259058952332]
+    grid = unirl_grid()
+    got = dppo_kl_std(grid[:-1], grid[1:], 0.7)
+    assert torch.allclose(got, torch.tensor(want), rtol=1e-6, atol=0)
+    x = torch.zeros(1, 4)  # the step's own std: equal from step 1 on, 0.70 at step 0
+    stds = [sde_step(x, x, grid[i], grid[i + 1], "flow", 0.7, second_sigma=grid[1])[3].item()
+            for i in range(10)]
+    assert stds[0] == pytest.approx(0.7, abs=1e-6)
+    assert stds[1:] == pytest.approx(want[1:], rel=1e-6)
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(10)
+    diffusers_grid = scheduler.sigmas.float()
+    got = dppo_kl_std(diffusers_grid[:5], diffusers_grid[1:6], 0.7)
+    want = [1.3977357149124146, 0.7429640889167786, 0.5361523032188416, 0.4458971321582794,
+            0.39179420471191406]
+    assert torch.allclose(got, torch.tensor(want), rtol=1e-6, atol=0)
+
+
+def dppo_terms(d, log_ratio, advantage, sigma_t, threshold):
+    """Our mask and loss terms over (B, steps) with mu_old 0, mu_new = d on a 1x2x2 latent."""
+    terms, keeps = [], []
+    for k in range(d.shape[1]):
+        mean = d[:, k].view(-1, 1, 1, 1).expand(-1, 1, 2, 2)
+        kl = step_kl(mean, torch.zeros_like(mean), sigma_t[k])
+        ratio = log_ratio[:, k].exp()
+        keep = dppo_keep(ratio, advantage, kl, threshold)
+        keeps.append(keep)
+        terms.append(torch.where(keep, -advantage * ratio, 0.0))
+    return torch.stack(terms, 1), torch.stack(keeps, 1)
+
+
+def test_dppo_golden_step_0_and_3_with_unclipped_advantages():
+    """UniRL's _flowdppo_kl_adv_loss (unirl/algorithms/flowdppo.py) run on B 6, steps 0 and 3 of
+    UniRL's grid, sigma_t from its _compute_sigma_t (eta 0.7), mu_old 0, mu_new = d on a
+    (1, 2, 2) latent, old log-prob 0, new = log_ratio, these advantages (two |A| > 5: UniRL
+    clips none), tau 1e-5: its loss_per_elem, pasted. grpo_loss must therefore take -A ratio
+    with the raw A under dppo (clamping to 5 changes the mean by 0.30)."""
+    d = torch.tensor([[2e-3, 2e-3], [4e-3, 1e-3], [1e-3, 8e-4], [3.5e-3, 5e-4], [6e-3, 1e-3],
+                      [5e-4, 2e-3]])
+    log_ratio = torch.tensor([[.05, -.05], [.1, .1], [-.1, .2], [-.05, -.05], [.2, -.1],
+                              [.1, .1]])
+    advantage = torch.tensor([1.0, 7.5, -1.0, -6.0, 0.5, -0.5])
+    want = torch.tensor([[-1.0512710809707642, -0.951229453086853],
+                         [-8.288782119750977, -8.288782119750977],
+                         [0.904837429523468, 1.2214027643203735],
+                         [5.707376480102539, 5.707376480102539],
+                         [0.0, -0.452418714761734],
+                         [0.5525854825973511, 0.5525854825973511]])
+    grid = unirl_grid()
+    sigma_t = dppo_kl_std(grid[[0, 3]], grid[[1, 4]], 0.7)
+    terms, keep = dppo_terms(d, log_ratio, advantage, sigma_t, 1e-5)
+    assert torch.allclose(terms, want, rtol=1e-6, atol=0)
+    assert terms.mean().item() == pytest.approx(-0.3655266761779785, rel=1e-6)
+    clamped, _ = dppo_terms(d, log_ratio, advantage.clamp(-5, 5), sigma_t, 1e-5)
+    assert clamped.mean().item() - terms.mean().item() == pytest.approx(0.302, abs=1e-3)
+    # with the step's own std at step 0 (0.70, our former sigma there) two samples flip to
+    # dropped: 7.5 and -6.0 push further with a KL 3.6x larger
+    own_std = torch.stack([torch.tensor(0.7), sigma_t[1]])
+    _, own_keep = dppo_terms(d, log_ratio, advantage, own_std, 1e-5)
+    assert (own_keep != keep).nonzero().tolist() == [[1, 0], [3, 0]]
+
+
+def test_dppo_ratio_exactly_one_and_kl_exactly_tau():
+    """UniRL's _flowdppo_kl_adv_loss on B 4 with KL exactly tau (means 2^-8 apart, sigma_t
+    0.25, tau 2^-13): ratio exactly 1 stays (neither > 1 nor < 1) whatever A; KL == tau counts
+    as high (its keep test is KL < tau); A = +-8 unclipped. Loss [-8, 8, 0, 0]; with tau one
+    step above, [-8, 8, -6.631025791168213, 5.429024696350098]."""
+    mean = torch.full((4, 1, 2, 2), 2.0**-8)
+    kl = step_kl(mean, torch.zeros_like(mean), 0.25)
+    assert kl.tolist() == [2.0**-13] * 4
+    ratio = torch.tensor([0.0, 0.0, 0.1, -0.1]).exp()
+    advantage = torch.tensor([8.0, -8.0, 6.0, -6.0])
+    above = [-8.0, 8.0, -6.631025791168213, 5.429024696350098]
+    for tau, want in [(2.0**-13, [-8.0, 8.0, 0.0, 0.0]), (2.0**-13 * (1 + 2**-20), above)]:
+        keep = dppo_keep(ratio, advantage, kl, tau)
+        got = torch.where(keep, -advantage * ratio, 0.0)
+        assert torch.allclose(got, torch.tensor(want), rtol=1e-7, atol=0)
+
+
+def test_sde_steps_are_unirls_all_sde_scheduler_draws():
+    """UniRL's AllSDEScheduler(10, timestep_fraction=[0.0, 0.5], num_sde_steps=3) (its Flow-DPPO
+    recipe, examples/diffusion/sd3_flowdppo.yaml), get_sde_indices(k) for rollouts k = 0..23,
+    sorted: independent steps of [0, 5); over k < 1000, 306 draws are contiguous (31%)."""
+    want = ("234 123 012 024 234 023 124 234 124 134 123 034 134 234 034 234 124 023 124 134 "
+            "124 013 123 024").split()
+    assert ["".join(map(str, sde_steps(3, (0, 5), k))) for k in range(24)] == want
+    draws = [sde_steps(3, (0, 5), k) for k in range(1000)]
+    assert sum(d[-1] - d[0] == 2 for d in draws) == 306
+    assert sde_steps(5, (0, 5), 7) == [0, 1, 2, 3, 4] and sde_steps(0, (0, 5), 7) == []
+
+
+def test_bf16_means_inflate_the_dppo_kl():
+    """UniRL keeps the step means in bf16 (trajectory_precision; SD3DiffusionStage.replay casts
+    prev_sample_means to it), so its KL reads rounded means. Measured here on N(0, 1) means of
+    SD3's (16, 64, 64) latent at step 3 of UniRL's grid with a true KL of 0.3 tau: the rounded
+    means read 1.04 tau (seed 1: 1.01; steps 0, 1, 2, 4: 0.44, 0.66, 0.88, 1.16). UniRL's
+    _gaussian_kl_div on the same bf16 tensors gives these to 1e-5."""
+    grid = unirl_grid()
+    gen = torch.Generator().manual_seed(0)
+    old, delta = (torch.randn(1, 16, 64, 64, generator=gen) for _ in range(2))
+    std = dppo_kl_std(grid[3], grid[4], 0.7)
+    delta = delta * (0.3e-5 / step_kl(delta, torch.zeros_like(delta), std)).sqrt()
+    new = old + delta
+    assert step_kl(new, old, std).item() == pytest.approx(0.3e-5, rel=1e-4)
+    rounded = step_kl(new.bfloat16(), old.bfloat16(), std).item()
+    assert rounded / 1e-5 == pytest.approx(1.0395, abs=1e-4)
+
+
+def windows(size, window_range, shift_every, epochs, **kwargs):
+    """Our windows at every epoch < `epochs`, as 'start-end' ('E': empty) per shift interval;
+    None if one differs from its interval's first (upstream's are constant within one)."""
+    got = ["E" if a == b else f"{a}-{b}" for a, b in (
+        sde_window(size, window_range, 25, None, k, shift_every, **kwargs) for k in range(epochs))]
+    per_interval = got[::shift_every]
+    if got != [per_interval[k // shift_every] for k in range(epochs)]:
+        return None
+    return " ".join(per_interval)
+
+
+# MixGRPO's GRPOTrainingStates (fastvideo/utils/grpo_states.py) built as train_grpo_flux.py builds
+# it (max_timesteps = 25 - 2, cur_timestep 0, progressive), get_current_timesteps() then
+# update_iteration() each iteration: its window per shift interval (it is constant within one).
+MIX_SHIPPED = ("0-4 1-5 2-6 3-7 4-8 5-9 6-10 7-11 8-12 9-13 10-14 11-15 12-16 13-17 14-18 15-19 "
+               "16-20 17-21 18-22 19-23 20-23 21-23 22-23 E")
+
+
+@pytest.mark.parametrize("shift_every,epochs,kwargs,want", [
+    # finetune_flux_grpo_MixGRPO.sh: iters 25, window 4, --prog_overlap_step 1 --roll_back, 1200
+    (25, 1200, {"stride": 1}, MIX_SHIPPED + " " + MIX_SHIPPED),
+    # argparse's defaults: no --prog_overlap (stride = the window), no --roll_back, 600
+    (25, 600, {"stride": 4, "roll_back": False}, "0-4 4-8 8-12 12-16 16-20 20-23" + " E" * 18),
+    (25, 600, {"stride": 4}, " ".join(["0-4 4-8 8-12 12-16 16-20 20-23"] * 4)),
+    (25, 700, {"stride": 1, "roll_back": False}, MIX_SHIPPED + " E" * 4),
+    # MixGRPO-Flash (iters 20, overlap step 1) and Flash* (overlap step 0: fixed), 600 and 300
+    (20, 600, {"stride": 1}, MIX_SHIPPED + " 0-4 1-5 2-6 3-7 4-8 5-9"),
+    (20, 300, {"stride": 0}, " ".join(["0-4"] * 15)),
 ])
-def test_sliding_window_follows_mixgrpo(window_range, shift_every, stride, expected):
-    for epoch, start in expected.items():
-        window = sde_window(4, window_range, 25, None, epoch, shift_every, stride)
-        assert window == (start, start + 4), epoch
-    # our rule starts over once the last full window is passed (upstream's would shrink)
-    assert sde_window(4, (0, 23), 25, None, 500, 25, 1) == (0, 4)
+def test_mixgrpo_windows_are_grpo_training_states(shift_every, epochs, kwargs, want):
+    """Golden windows of MixGRPO's GRPOTrainingStates over every iteration (shrink=True); the
+    empty one (start 23) is where upstream's trainer crashes (it prints an unset `ratio`)."""
+    assert windows(4, (0, 23), shift_every, epochs, shrink=True, **kwargs) == want
+
+
+def test_former_whole_window_rule_differs_from_mixgrpos():
+    """Our former rule (stride 1, whole windows, wrapped: still the default) against upstream's:
+    700 of 1200 iterations differ with the shipped script's settings, 575 of 600 with argparse's
+    defaults; MixGRPO's own rule on UniRL's SD3 settings would differ in 225 of 300."""
+    def differ(epochs, window_range, a, b):
+        return sum(sde_window(4, window_range, 25, None, k, 25, **a)
+                   != sde_window(4, window_range, 25, None, k, 25, **b) for k in range(epochs))
+
+    mix = {"shrink": True}
+    assert differ(1200, (0, 23), {}, mix) == 700
+    assert differ(600, (0, 23), {}, {"stride": 4, "roll_back": False, **mix}) == 575
+    assert differ(300, (0, 10), {"stride": 3}, {"stride": 3, **mix}) == 225
+
+
+def test_unirl_sd3_windows_are_whole():
+    """UniRL's WindowScheduler(10, WindowConfig('progressive', window_size=4, iters_per_window=25,
+    overlap_size=1, roll_back=True)) (examples/diffusion/sd3_mixgrpo.yaml), get_sde_indices(k),
+    k < 300: 0-4 3-7 6-10, four times; with overlap 0 and no roll-back: 0-4, then 4-8 for good."""
+    assert windows(4, (0, 10), 25, 300, stride=3) == " ".join(["0-4 3-7 6-10"] * 4)
+    assert windows(4, (0, 10), 25, 300, stride=4, roll_back=False) == (
+        "0-4" + " 4-8" * 11)
+
+
+def ratio_norm_case(batch, shape, step, seed, moves, per_sample=False):
+    """Flow-GRPO steps (diffusers' SD3 grid, a 0.7): x, v_old, dv ~ seeded N(0, 1), v_new =
+    v_old + moves dv, x' sampled from the old step with the same generator. per_sample: the
+    bias each sample's own (our former form, the paper's intent)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(10)
+    sigmas = scheduler.sigmas.float()
+    gen = torch.Generator().manual_seed(seed)
+    x, v_old, dv = (torch.randn(batch, *shape, generator=gen) for _ in range(3))
+    args = (sigmas[step], sigmas[step + 1], "flow", 0.7)
+    x_next, old_log_prob, old_mean, _ = sde_step(v_old, x, *args, generator=gen,
+                                                 second_sigma=sigmas[1])
+    v = (v_old + dv * torch.tensor(moves).view(-1, *[1] * len(shape))).requires_grad_()
+    _, log_prob, mean, std = sde_step(v, x, *args, prev_sample=x_next, second_sigma=sigmas[1])
+    normed = ratio_norm_log_ratio(log_prob, old_log_prob, mean, old_mean, std.flatten())
+    if per_sample:
+        bias = ((mean - old_mean) ** 2).mean(dim=(1, 2, 3)) / (2 * std.flatten() ** 2)
+        normed = (log_prob - old_log_prob + bias) * std.flatten()
+    return v, normed, sigmas[step] - sigmas[step + 1]
+
+
+@pytest.mark.parametrize("batch,seed,moves,want", [
+    # off-policy, B 4, sample 0 did not move: it gets the batch's bias (0 per sample)
+    (4, 0, [0.0, 0.01, 0.02, 0.03], [2.14785359e-06, -6.62361563e-05, 1.10225417e-04,
+                                     -6.38441779e-05]),
+    (1, 1, [0.001], [1.03987531e-05]),  # batch 1: the batch mean is the sample's own
+    (4, 2, [0.0] * 4, [0.0] * 4),  # on-policy: no bias at all
+])
+def test_ratio_norm_bias_is_the_batch_mean(batch, seed, moves, want):
+    """zhtmike/flow_grpo@9745241 scripts/train_sd3_GRPO_Guard.py, its rationorm lines (ratio =
+    exp((log_prob - old + bias) * sqrt_dt * sigma_t)) run as a function on flow_grpo's
+    sde_step_with_logprob outputs (step 3, shape (4, 2, 2), these seeds and moves): the
+    exponent, pasted. Its bias is a batch mean (mean(dim=()) of a 1-D log-prob). Equal to 1e-7:
+    flow_grpo's step rounds differently from sde_step (its lines on our step's outputs give
+    ours exactly); the per-sample bias would give sample 0 exactly 0."""
+    _, normed, _ = ratio_norm_case(batch, (4, 2, 2), 3, seed, moves)
+    assert torch.allclose(normed, torch.tensor(want), rtol=0, atol=1e-7)
+    _, own, _ = ratio_norm_case(batch, (4, 2, 2), 3, seed, moves, per_sample=True)
+    assert torch.equal(own, normed) == (batch == 1 or max(moves) == 0)
+
+
+def test_ratio_norm_golden_at_upstreams_shapes_with_the_clip_active():
+    """The same upstream lines at its OCR config's shapes: B 9, (16, 64, 64), step 2, clip 2e-6,
+    these advantages, the loss divided by |dt| (its / sqrt_dt^2): exponent, loss and the
+    velocity gradient's norm, pasted. The per-sample bias (our former form) flips the clip
+    decision of samples 0, 1 and 7 and moves the gradient by 67%."""
+    moves = [0.0, 0.01, 0.02, 0.04, 0.06, 0.08, 0.02, 0.0, 0.04]
+    v, normed, dt = ratio_norm_case(9, (16, 64, 64), 2, 3, moves)
+    own_v, own, _ = ratio_norm_case(9, (16, 64, 64), 2, 3, moves, per_sample=True)
+    want = [6.99610337e-06, 4.75910156e-06, 1.15979346e-05, -1.24884502e-06, -4.60434740e-06,
+            -1.32327823e-05, 7.73111788e-06, 6.99610337e-06, -2.97453198e-06]
+    assert torch.allclose(normed, torch.tensor(want), rtol=0, atol=1e-7)
+    ratio = normed.exp()
+    assert ((ratio - 1).abs() > 2e-6).tolist() == [True] * 3 + [False] + [True] * 5
+    advantage = torch.tensor([1.2, -0.7, 0.3, -1.5, 0.9, -0.2, 2.0, -1.1, 0.6])
+    clipped = ratio.clamp(1 - 2e-6, 1 + 2e-6)
+    def ppo_loss(ratio):
+        clipped = ratio.clamp(1 - 2e-6, 1 + 2e-6)
+        return torch.maximum(-advantage * ratio, -advantage * clipped).mean() / dt
+
+    loss = ppo_loss(ratio)
+    loss.backward()
+    assert loss.item() == pytest.approx(-2.994534969329834, rel=1e-6)
+    assert v.grad.norm().item() == pytest.approx(0.0012229623971506953, rel=1e-5)
+    flips = ((ratio - 1).abs() > 2e-6) != ((own.exp() - 1).abs() > 2e-6)
+    assert flips.nonzero().flatten().tolist() == [0, 1, 7]
+    ppo_loss(own.exp()).backward()
+    change = (own_v.grad - v.grad).norm() / v.grad.norm()
+    assert change.item() == pytest.approx(0.670, abs=0.005)
+
+
+def fake_velocity(x, sigma):
+    """A model for the Flash goldens: v = -0.4 x + (t - 0.5) c, t = floor(1000 sigma) / 1000
+    (the timestep MixGRPO feeds FLUX)."""
+    t = torch.floor(sigma * 1000) / 1000
+    return -0.4 * x + (t - 0.5) * torch.tensor([0.3, -0.8, 1.1, 0.05]).view(1, 1, 4)
+
+
+def flash_rollout(end, ratio):
+    """Euler up to the window's end (upstream's window steps at eta 0 are Euler), then
+    dpm_step on the Flash grid, its history the last window step's x0."""
+    grid = flash_sigmas(shift_sigmas(torch.linspace(1, 0, 26), 3.0), end, ratio, 3.0)
+    x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0))
+    latents, x0 = [x], None
+    for i in range(len(grid) - 1):
+        v = fake_velocity(x, grid[i])
+        if i < end:
+            x, x0 = sde_step(v, x, grid[i], grid[i + 1], "ode", 0.0)[0], x - grid[i] * v
+        else:
+            x, x0 = dpm_step(v, x, grid, i, x0)
+        latents.append(x)
+    return grid, torch.stack(latents, 1)
+
+
+@pytest.mark.parametrize("window,ratio,post,final", [
+    # finetune_flux_grpo_MixGRPO_Flash.sh (ratio 0.4) and Flash*.sh (0.2), window [0, 4); a late
+    # window [14, 18) (Flash's at iteration 280-299): 8, 4 and 3 post points
+    ((0, 4), 0.4, [0.94029850, 0.88524592, 0.81818181, 0.73469388, 0.62790698, 0.48648649,
+                   0.29032260, 0.0], [-1.69538021, -1.63555515, -0.47044939, -0.64745682]),
+    ((0, 4), 0.2, [0.94029850, 0.79245287, 0.53846157, 0.0],
+     [-1.70486975, -1.50536966, -0.60312915, -0.64282227]),
+    ((14, 18), 0.4, [0.53846157, 0.32812503, 0.0], [-1.69672811, -1.61719632, -0.48917142,
+                                                    -0.64680630]),
+])
+def test_flash_matches_mixgrpos_dpm_solver(window, ratio, post, final):
+    """MixGRPO's fastvideo/utils/sampling_utils.py run_sample_step (dpmsolver++, order 2,
+    midpoint, dpm_apply_strategy 'post', flow_grpo_sampling as its scripts; eta 0 so the window
+    is deterministic) with fake_velocity as the transformer, 25 steps, shift 3, z ~ seeded
+    N(0, 1) of shape (2, 3, 4): its grid from the window's end on and the final latent's first
+    4 values, pasted (and, for [0, 4) at 0.4, every latent after the window: see below)."""
+    grid, latents = flash_rollout(window[1], ratio)
+    assert torch.allclose(grid[window[1]:], torch.tensor(post), atol=2e-7, rtol=0)  # 1 ulp
+    assert len(grid) == window[1] + len(post)
+    assert torch.allclose(latents[0, -1].flatten()[:4], torch.tensor(final), atol=1e-6, rtol=0)
+    if window == (0, 4) and ratio == 0.4:  # element 0 of sample 0 after each step from 4 on
+        want = [-1.16159284, -1.19438505, -1.23408389, -1.28309834, -1.34508514, -1.42591870,
+                -1.53536952, -1.69538021]
+        assert torch.allclose(latents[0, 4:, 0, 0], torch.tensor(want), atol=1e-6, rtol=0)
+
+
+def test_flash_grid_keeps_a_step_to_zero():
+    """Upstream's int(max((T + 1 - end) ratio, 1)) is 1 point for a window ending at 23 (ratio
+    0.4): its grid stops at sigmas[23] = 0.2069 and the image is never denoised. Ours takes 2:
+    one DDIM step to 0 (a deviation past upstream's 300 iterations)."""
+    sigmas = shift_sigmas(torch.linspace(1, 0, 26), 3.0)
+    grid = flash_sigmas(sigmas, 23, 0.4, 3.0)
+    assert torch.equal(grid[:24], sigmas[:24]) and grid[24:].tolist() == [0.0]
+
+
+def test_dpm_step_by_hand():
+    """First order is DDIM, (s1 / s0) x + (1 - s1 / s0) x0; second order adds
+    0.5 h / h0 (x0 - x0_prev) to x0, h the log-SNR step."""
+    sigmas = torch.tensor([0.8, 0.5, 0.2, 0.0])
+    x, v = torch.ones(1, 2), torch.full((1, 2), 0.5)
+    x1, x0 = dpm_step(v, x, sigmas, 1)  # x0 = 1 - 0.25 = 0.75; 0.4 + 0.6 * 0.75
+    assert x0.tolist() == [[0.75, 0.75]] and torch.allclose(x1, torch.full((1, 2), 0.85))
+    lam = [math.log((1 - s) / s) for s in (0.8, 0.5, 0.2)]
+    d = 0.75 + 0.5 * (lam[2] - lam[1]) / (lam[1] - lam[0]) * (0.75 - 0.5)
+    x1, _ = dpm_step(v, x, sigmas, 1, torch.full((1, 2), 0.5))
+    assert torch.allclose(x1, torch.full((1, 2), 0.4 + 0.6 * d))
+    last, x0 = dpm_step(v, x, sigmas, 2, torch.full((1, 2), 0.5))  # into 0: first order, x0
+    assert torch.allclose(last, x0)
+
+
+def test_window_stride_zero_is_a_fixed_window_not_a_division_by_zero():
+    windows = {sde_window(4, (0, 23), 25, None, k, 20, stride=0, shrink=True) for k in range(500)}
+    assert windows == {(0, 4)}
+    assert sde_window(4, (0, 10), 25, None, 999, 25, stride=0) == (0, 4)

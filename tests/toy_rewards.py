@@ -2,7 +2,8 @@
 
 Used as `--reward tests/toy_rewards.py:counting` (or `:counting_partial`, `:brightness`, ...):
 plain functions with the rewards.py contract
-fn(images (B, 3, H, W) in [0, 1], prompts, metadata) -> (scores (B,) float32 CPU, info dict).
+fn(images (B, 3, H, W) in [0, 1], prompts, metadata) -> (scores (B,) float32 CPU, info dict);
+the counting rewards also carry a prompt check (`fn.check_prompts`, run before any model loads).
 
 `counting` is a verifiable GenEval-style reward for the toy world of tests/toy_world.py ("two red
 squares": 1-3 squares or triangles of one color on black). RL optimises whatever its judge lets
@@ -234,6 +235,18 @@ def counting_partial(images, prompts, metadata):
     """1/3 each for the right count, all objects the right color, all the right shape; 0 when no
     object is found or the debris exceeds the tolerance. info['exact'] is counting's score."""
     return _score(images, prompts, partial=True)
+
+
+def check_counting_prompts(prompts):
+    """Refuse, in one line, prompts the counting rewards cannot parse: rewards.check_prompts runs
+    this (the `check_prompts` attribute of counting and counting_partial) before any model loads."""
+    unparsed = [prompt for prompt in prompts if not PROMPT_RE.match(prompt.strip().lower())]
+    if unparsed:
+        raise ValueError(f"{len(unparsed)} prompt(s) are not toy-world prompts (like 'two red "
+                         f"squares'), first: {unparsed[0]!r}")
+
+
+counting.check_prompts = counting_partial.check_prompts = check_counting_prompts
 
 
 def brightness(images, prompts, metadata):

@@ -1,0 +1,32 @@
+"""Run a training script with a fault injected, deterministically (tests/test_faults.py):
+
+    python tests/faults.py SCRIPT [flags...]
+
+with the fault in environment variables:
+    FAULT_TIME=T          time.time() returns T (two runs start in the same second)
+    FAULT_FULL_DISK=NAME  writing a file whose name ends with NAME raises ENOSPC
+"""
+
+import builtins
+import errno
+import os
+import runpy
+import sys
+from unittest import mock
+
+patches = []
+if "FAULT_TIME" in os.environ:
+    patches.append(mock.patch("time.time", return_value=float(os.environ["FAULT_TIME"])))
+if "FAULT_FULL_DISK" in os.environ:
+    real_open = builtins.open
+
+    def full_open(path, mode="r", *args, **kwargs):
+        if str(path).endswith(os.environ["FAULT_FULL_DISK"]) and mode[0] in "wa":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_open(path, mode, *args, **kwargs)
+
+    patches.append(mock.patch("builtins.open", full_open))
+for patch in patches:
+    patch.start()
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")

@@ -1,0 +1,85 @@
+"""What a run shows and how it is checked later (issues 45, 46), on grpo_sd35.py, whose
+plumbing every SD3.5 script copies verbatim: eval seeds with a standard error, a labelled
+contact sheet, --eval-only from a checkpoint alone, a prompt file's BOM, too few prompts."""
+
+import contextlib
+import io
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import grpo_sd35
+from scripts_harness import (REPO, ModelLoaded, read_metrics, run_script, script_context,
+                             script_env, tiny_sd35_flags)
+
+SCRIPT = "grpo_sd35.py"
+# A LoRA and an EMA that move (lr 1e-2, the EMA each step); 2 eval seeds
+FLAGS = ["--epochs", "2", "--kl-beta", "0", "--learning-rate", "1e-2", "--ema-decay", "0.5",
+         "--ema-interval", "0", "--eval-seeds", "42", "7", "--save-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def seeded_run(tiny_sd3, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("seeds")
+    return run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, out) + FLAGS)
+
+
+def test_evals_report_a_standard_error_over_prompts_and_seeds(seeded_run):
+    first, last = read_metrics(seeded_run)
+    # 2 seeds x the 4 test lines: std / sqrt(8)
+    assert 0 < first["eval/reward_stderr"] < first["eval/reward_mean"]
+    assert last["eval/final_reward_stderr"] > 0
+    # each seed draws its own noise: two samples of one prompt differ
+    assert first["eval/diversity"] > 0
+    sheet = Image.open(seeded_run / "eval_00000.png")
+    assert sheet.size == (640, 4 * (128 + 24))  # 4 test prompts, 2 samples each
+
+
+def test_eval_only_needs_only_the_checkpoint(seeded_run, tmp_path):
+    """Its flags come from state.pt (prompts, model, eval seeds, ...): it reproduces the
+    run's final eval of the same EMA weights."""
+    final = read_metrics(seeded_run)[-1]
+    checkpoint = seeded_run / "checkpoints" / "epoch_00002"
+    process = subprocess.run([sys.executable, SCRIPT, "--eval-only", "--resume",
+                              str(checkpoint), "--output-dir", str(tmp_path)], cwd=REPO,
+                             env=script_env(), capture_output=True, text=True, timeout=600)
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert f"resuming from {checkpoint}" in process.stdout
+    (eval_run,) = tmp_path.iterdir()
+    (row,) = read_metrics(eval_run)
+    assert row["epoch"] == 2 and not (eval_run / "checkpoints").exists()
+    assert row["eval/reward_mean"] == final["eval/final_reward_mean"]
+    assert row["eval/reward_stderr"] == final["eval/final_reward_stderr"]
+
+
+def test_the_contact_sheet_labels_each_row():
+    red = np.zeros((32, 32, 3), np.uint8)
+    red[..., 0] = 255
+    sheet = grpo_sd35.contact_sheet([("0.500  a prompt", [red, red]), ("0.250  b", [red])])
+    assert sheet.size == (640, 2 * (128 + 24))  # cells of 128 px, a 24 px label above
+    pixels = np.asarray(sheet)
+    assert (pixels[:24] < 128).any()  # the label's text
+    assert (pixels[24:152, :256, 0] == 255).all() and (pixels[24:152, 256:] == 255).all()
+
+
+def test_a_bom_is_not_part_of_the_first_prompt(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_bytes("\ufefftwo red squares\nthree blue circles\n".encode())
+    prompts, _ = grpo_sd35.load_prompts(str(path))
+    assert prompts == ["two red squares", "three blue circles"]
+
+
+def test_too_few_prompts_are_said_to_be_drawn_with_replacement(tiny_sd3, tmp_path):
+    flags = tiny_sd35_flags(tiny_sd3, tmp_path / "out")
+    flags[flags.index("--prompts-per-epoch") + 1] = "16"
+    stdout = io.StringIO()
+    with script_context(None), contextlib.redirect_stdout(stdout):
+        sys.argv = [SCRIPT] + flags + ["--batch-size", "8"]
+        with pytest.raises(ModelLoaded):
+            runpy.run_path(str(REPO / SCRIPT), run_name="__main__")
+    assert "fewer than --prompts-per-epoch prompts" in stdout.getvalue()
