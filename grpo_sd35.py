@@ -234,7 +234,6 @@ def grpo_loss(*, log_prob, old_log_prob, advantages, mean, old_mean, std, ref_me
               kl_sigma, dppo_std, abs_dt, trust_region, clip_range, dppo_threshold,
               adv_clip, kl_beta, accum_steps):
     """A sampling step's loss: (loss to backward, ratio, {statistic: float}).
-
     (B,): log_prob, old_log_prob (the policy's, the rollout's), advantages. The step's
     Gaussian: mean, old_mean, ref_mean (the base model's; None: no KL), std. Trust
     regions: clip (PPO) max(-A ratio, -A clip(ratio, 1 +- clip)), A clipped to
@@ -597,8 +596,7 @@ if __name__ == "__main__":
     except ValueError as error:
         fail(str(error))
     if len(train_prompts) < args.prompts_per_epoch and not args.eval_only:
-        say(f"{args.train_prompts} has fewer than --prompts-per-epoch prompts: they "
-            "are drawn with replacement")
+        say("fewer than --prompts-per-epoch prompts: they are drawn with replacement")
     images_per_epoch = args.prompts_per_epoch * args.group_size
     if images_per_epoch % (world * args.batch_size):
         fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split "
@@ -899,8 +897,7 @@ if __name__ == "__main__":
                     _, _, ref_mean, _ = sde_step(
                         ref_v, x, sigma, sigma_next, args.sde_kind, args.noise_level,
                         prev_sample=x_next, second_sigma=sigmas[1])
-                # The KL's sigma: Flow-GRPO's sigma_t, without sqrt(-dt); CPS's std.
-                # Flow-DPPO's: UniRL's at every step (sde.py); CPS's std again.
+                # KLs' sigmas: Flow-GRPO's sigma_t (no sqrt(-dt)), UniRL's; CPS: std
                 kl_sigma = std.flatten()
                 dppo_std = std
                 if args.sde_kind == "flow":
@@ -919,10 +916,9 @@ if __name__ == "__main__":
                     stats[name].append(value)
                 if micro_step == 0:  # it runs the rollout's weights: the ratio is 1
                     on_policy_dev = (ratio - 1).abs().max().item()
-                    if on_policy_dev > args.clip_range / 10 and rank == 0:
-                        print(f"WARNING: on-policy max |ratio - 1| = "
-                              f"{on_policy_dev:.2e} > clip-range / 10: the rollout "
-                              "and training forwards differ")
+                    if on_policy_dev > args.clip_range / 10:  # they should be equal
+                        say(f"WARNING: the rollout's and training's forwards differ: "
+                            f"on-policy |ratio - 1| = {on_policy_dev:.2e}")
                 micro_step += 1
                 if micro_step % accum_steps == 0:
                     grad_norm = optimizer_step(

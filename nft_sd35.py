@@ -21,12 +21,17 @@ Provenance: NVlabs/DiffusionNFT@24af555 unless named.
 """
 
 import glob
+import hashlib
+import io
 import json
+import logging
 import math
 import os
 import resource
 import shutil
+import signal
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -36,15 +41,19 @@ from functools import partial
 from typing import Literal, NamedTuple
 
 import numpy as np
-import diffusers
 import torch
 import torch.distributed as dist
 import transformers
 import tyro
+# Without torchvision, transformers warns that it uses PIL image processors: we do.
+logging.getLogger("transformers.utils.import_utils").addFilter(
+    lambda record: "requires torchvision" not in record.getMessage())
+import diffusers  # noqa: E402 (after the filter)
 from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
+from safetensors import SafetensorError
 from tqdm import tqdm
 
 import rewards
@@ -61,71 +70,64 @@ from sde import compute_advantages, sde_step
 
 @dataclass
 class Args:
-    # Experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of the experiment (wandb group, run-directory prefix)"""
+    """wandb group and run-directory prefix"""
     seed: int = 42
-    """seed of the LoRA init, prompt draws and noise (per epoch and rank)"""
+    """seed of the LoRA init, prompt draws and noise"""
     track: bool = False
-    """log to Weights & Biases (metrics.jsonl is always written)"""
+    """log to Weights & Biases too"""
     wandb_project: str = "flowrl"
     """wandb project"""
     wandb_entity: str | None = None
     """wandb entity (None: your default one)"""
     output_dir: str = "runs"
-    """runs go to OUTPUT_DIR/RUN_NAME (metrics, eval sheets, checkpoints)"""
+    """runs go to OUTPUT_DIR/RUN_NAME"""
     resume: str | None = None
-    """checkpoint to continue from; `latest`: this exp-name and seed's newest"""
+    """checkpoint to continue; `latest`: this exp-name and seed's newest"""
     eval_only: bool = False
-    """only evaluate the EMA weights of --resume (or the base model), then exit"""
-    # Model
+    """evaluate --resume's EMA (with its flags, but those given), or the base"""
     model: str = "stabilityai/stable-diffusion-3.5-medium"
     """hub id or local path of a diffusers StableDiffusion3Pipeline"""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
-    """dtype of the frozen weights, with autocast (LoRA and VAE stay fp32)"""
+    """dtype of the frozen weights (LoRA and VAE: fp32), with autocast"""
     gradient_checkpointing: bool = False
-    """recompute activations in the backward pass (less memory, ~30% slower)"""
+    """recompute activations in backward (less memory, ~30% slower)"""
     compile: bool = torch.cuda.is_available()
-    """torch.compile each transformer block (~2x faster on a GPU; on with CUDA)"""
+    """torch.compile each transformer block (~2x faster; on with CUDA)"""
     lora_rank: int = 32
     """LoRA rank on the 8 joint-attention projections of every block"""
     lora_alpha: int = 64
     """LoRA alpha (scale = alpha / rank)"""
-    # Data and reward
     train_prompts: str = "prompts/train.txt"
     """a prompt per line, or JSONL: `prompt` and fields for the reward"""
     test_prompts: str = "prompts/test.txt"
     """eval prompts, same format"""
     reward: str = "ocr"
-    """a rewards.py name, a sum `ocr=1.0,pickscore=0.5`, or `file.py:function`"""
+    """rewards.py name, weighted sum `ocr=1,pickscore=0.5`, `file.py:fn`"""
     eval_reward: str | None = None
     """reward of eval (None: the training reward)"""
     advantage_aggregation: Literal["sum", "gdpo"] = "sum"
-    """several rewards: normalise their weighted sum, or each, then sum (GDPO)"""
+    """normalise the rewards' weighted sum, or each, then sum (GDPO)"""
     per_group_std: bool = False
-    """divide advantages by their group's std, not the epoch's (upstream's)"""
-    # Sampling
+    """advantages / their group's std, not the epoch's (upstream's)"""
     resolution: int = 512
     """image height and width in pixels"""
     eval_num_steps: int = 40
     """Euler ODE steps of eval"""
-    # Batch sizes (global ones do not depend on the GPU count)
     group_size: int = 24
-    """images per prompt (a group: its mean reward is the baseline)"""
+    """images per prompt (a group; its mean reward is the baseline)"""
     eval_batch_size: int = 8
     """per-GPU eval batch"""
     epochs: int = 1000
     """epochs to train (each: sample, score, update)"""
-    # Optimisation
     learning_rate: float = 3e-4
     """AdamW learning rate (constant)"""
     weight_decay: float = 1e-4
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
-    # Logging, eval, checkpoints
-    eval_sheet_size: int = 16
-    """eval images in the contact sheet: a row per distinct test prompt"""
+    eval_seeds: tuple[int, ...] = (42,)
+    """eval noise: a sample per test prompt and seed (tune on others)"""
     # Algorithm-specific arguments (defaults: the paper's OCR run)
     max_sequence_length: int = 128
     """T5 tokens per prompt"""
@@ -157,7 +159,8 @@ class Args:
     save_every: int = 30
     """checkpoint every N epochs (and after the last)"""
 
-# TRY NOT TO MODIFY: the LoRA's layers (upstream's), what --resume must match, ranges
+# TRY NOT TO MODIFY: what --resume must match, the range of every number flag
+# The joint-attention projections of every MMDiT block, as flow_grpo, NFT and AWM
 LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj",
                 "attn.to_add_out", "attn.to_k", "attn.to_out.0", "attn.to_q",
                 "attn.to_v"]
@@ -169,7 +172,7 @@ RANGES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: 
 LIMITS = {"seed": ">= 0", "lora_rank": ">= 1", "lora_alpha": "> 0",
           "resolution": ">= 1", "eval_num_steps": ">= 1", "group_size": ">= 2",
           "eval_batch_size": ">= 1", "epochs": ">= 1", "learning_rate": ">= 0",
-          "weight_decay": ">= 0", "max_grad_norm": "> 0", "eval_sheet_size": ">= 1",
+          "weight_decay": ">= 0", "max_grad_norm": "> 0", "eval_seeds": ">= 0",
           "max_sequence_length": ">= 1", "num_steps": ">= 1",
           "guidance_scale": ">= 0", "prompts_per_epoch": ">= 1",
           "batch_size": ">= 1", "adv_clip": "> 0", "kl_beta": ">= 0",
@@ -273,14 +276,16 @@ class Text(NamedTuple):
     embeds: torch.Tensor
     pooled: torch.Tensor
 
-    def rows(self, index) -> "Text":
-        return Text(self.embeds[index], self.pooled[index])
-
 def fail(message: str):
-    raise SystemExit(f"error: {message}")
+    """Stop with one line, printed once (by rank 0 under torchrun)."""
+    raise SystemExit(1 if os.environ.get("RANK", "0") != "0" else f"error: {message}")
+
+def say(message: str):
+    if os.environ.get("RANK", "0") == "0":
+        print(message, flush=True)
 
 def check_ranges(args):
-    """Every number flag is finite and inside its range in LIMITS or ALGO_LIMITS."""
+    """Every number flag is finite and in its range (LIMITS, ALGO_LIMITS)."""
     for field in fields(args):
         value = getattr(args, field.name)
         allowed = (LIMITS | ALGO_LIMITS).get(field.name)
@@ -292,12 +297,38 @@ def check_ranges(args):
                 fail(f"{flag} must be {allowed}, got {value}")
 
 def check_args(args) -> dict | None:
-    """Checks that need no weights; returns the checkpoint's state when resuming."""
+    """Checks that need no weights; the checkpoint's state if resuming."""
+    state = None
+    if args.resume == "latest":  # e.g. torchrun --max-restarts: start, or continue
+        runs = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__*")
+        saves = glob.glob(os.path.join(runs, "checkpoints", "epoch_*"))
+        args.resume = None  # runs sort by start time, then epoch: the newest good one
+        for save in sorted(saves, reverse=True):
+            state = load_state(save)
+            if isinstance(state, dict):
+                args.resume = save
+                break
+            say(f"skipping {save}: {state}")
+    elif args.resume:
+        state = load_state(args.resume)
+        if isinstance(state, str):
+            fail(f"--resume {args.resume!r}: {state}")
+    if args.resume:
+        say(f"resuming from {args.resume}")
+    if args.resume and args.eval_only:  # the checkpoint's flags, but those given
+        given = {word[2:].split("=")[0].removeprefix("no-").replace("-", "_")
+                 for word in sys.argv[1:] if word.startswith("--")}
+        for name, value in state["args"].items():
+            if name not in given | {"resume", "eval_only"}:
+                setattr(args, name, value)
     check_ranges(args)
     if args.mixed_precision == "fp16" and not torch.cuda.is_available():
         fail("--mixed-precision fp16 needs a GPU (on CPU: bf16 or no)")
-    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
-        fail(f"--output-dir {args.output_dir!r} is a file")
+    try:  # found now, not after the model loads
+        os.makedirs(args.output_dir, exist_ok=True)
+        tempfile.TemporaryFile(dir=args.output_dir).close()
+    except OSError as error:
+        fail(f"--output-dir {args.output_dir!r}: {error.strerror}")
     try:  # the config files give the resolution's factor before the weights load
         vae = AutoencoderKL.load_config(args.model, subfolder="vae")
         dit = SD3Transformer2DModel.load_config(args.model, subfolder="transformer")
@@ -313,18 +344,8 @@ def check_args(args) -> dict | None:
         if not wandb.login(prompt=False):
             fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), "
                  "or WANDB_MODE=offline")
-    if args.resume == "latest":  # e.g. torchrun --max-restarts: start, or continue
-        runs = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__*")
-        saves = glob.glob(os.path.join(runs, "checkpoints", "epoch_*"))
-        args.resume = max(saves, key=os.path.getmtime, default=None)
-    if not args.resume:
+    if state is None:
         return None
-    path = os.path.join(args.resume, "state.pt")
-    hidden = os.path.basename(os.path.abspath(args.resume)).startswith(".")
-    if hidden or not os.path.isfile(path):
-        fail(f"--resume {args.resume!r} is not a checkpoint directory (no state.pt, or "
-             "hidden: an unfinished save)")
-    state = torch.load(path, map_location="cpu")
     script = os.path.basename(__file__)
     if state.get("script") != script:  # e.g. a CRD run's, in GRPO
         fail(f"--resume {args.resume!r} is not a checkpoint of {script}")
@@ -336,11 +357,24 @@ def check_args(args) -> dict | None:
         fail(f"--epochs {args.epochs} is not past the checkpoint's {state['next_epoch']}")
     return state
 
+def load_state(save: str) -> dict | str:
+    """A checkpoint's state if it matches its checksum (written last), else why not."""
+    try:
+        with open(os.path.join(save, "state.pt"), "rb") as file:
+            data = file.read()
+        with open(os.path.join(save, "state.pt.sha256")) as file:
+            digest = file.read().strip()
+    except OSError as error:
+        return f"not a checkpoint directory ({error.strerror}: {error.filename})"
+    if hashlib.sha256(data).hexdigest() != digest:
+        return "corrupt: its state.pt does not match state.pt.sha256"
+    return torch.load(io.BytesIO(data), map_location="cpu")
+
 def load_prompts(path: str) -> tuple[list[str], list[dict]]:
     """A prompt per line, or JSONL with a `prompt`: the prompts, their metadata."""
     if not os.path.isfile(path):
         fail(f"prompt file {path!r} does not exist (docs/usage.md: prompt sets)")
-    with open(path, encoding="utf-8") as file:
+    with open(path, encoding="utf-8-sig") as file:  # a BOM is no part of a prompt
         lines = [line.strip() for line in file if line.strip()]
     if not lines:
         fail(f"prompt file {path!r} is empty")
@@ -425,8 +459,8 @@ def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where,
 
 def save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
                     optimizer, next_epoch, global_step, args):
-    """Atomic: a hidden temporary directory (--resume refuses it), then renamed.
-    `lora/`, `ema_lora/`: diffusers LoRAs; state.pt resumes (`extra`: snapshots)."""
+    """Written to a hidden directory, then renamed: `lora/`, `ema_lora/` (diffusers
+    LoRAs), state.pt to resume from, and its checksum, last."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     config = transformer.peft_config["default"].to_dict()
@@ -436,13 +470,27 @@ def save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
                 os.path.join(tmp, name), get_peft_model_state_dict(transformer),
                 transformer_lora_adapter_metadata=config)
     extra = {name: [p.cpu() for p in copies] for name, copies in snapshots.items()}
+    state = io.BytesIO()  # Python writes it: a full disk is an OSError naming it
     torch.save({"lora": [p.detach().cpu() for p in lora_params],
                 "ema": [p.cpu() for p in ema_params],
                 "optimizer": optimizer.state_dict(), "next_epoch": next_epoch,
                 "global_step": global_step, "args": asdict(args), "extra": extra,
-                "script": os.path.basename(__file__)}, f"{tmp}/state.pt")
-    shutil.rmtree(path, ignore_errors=True)
+                "script": os.path.basename(__file__)}, state)
+    with open(f"{tmp}/state.pt", "wb") as file:
+        file.write(state.getvalue())
+    with open(f"{tmp}/state.pt.sha256", "w") as file:
+        file.write(hashlib.sha256(state.getvalue()).hexdigest())
     os.rename(tmp, path)
+
+def prune_checkpoints(run_dir: str, current: str, save_every: int):
+    """Drop the checkpoints but current that are not on the --save-every grid."""
+    for save in glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")):
+        if save != current and int(save[-5:]) % save_every:
+            shutil.rmtree(save)
+
+def last_checkpoint(run_dir: str) -> str:
+    saves = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
+    return saves[-1] if saves else "none saved yet"
 
 @contextmanager
 def swapped(params, copies):
@@ -465,14 +513,33 @@ def adapters_disabled(transformer):
         transformer.enable_adapters()
 
 def prepare_run_dir(run_dir: str, start_epoch: int):
-    """Make the run directory; drop a crashed save and redone epochs' metrics."""
-    for tmp in glob.glob(os.path.join(run_dir, "checkpoints", ".*")):
-        shutil.rmtree(tmp)
+    """Go on at start_epoch: drop crashed saves, and the checkpoints and metrics of
+    the epochs it redoes; replace metrics.jsonl whole, without a cut-off line."""
+    folder = os.path.join(run_dir, "checkpoints")
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        if name[0] == "." or int(name[-5:]) > start_epoch:  # hidden: a crashed save
+            shutil.rmtree(os.path.join(folder, name))
     path = os.path.join(run_dir, "metrics.jsonl")
     lines = open(path).readlines() if os.path.exists(path) else []
-    os.makedirs(run_dir, exist_ok=True)
-    with open(path, "w") as file:
+    if lines and not lines[-1].endswith("\n"):
+        say(f"dropping the last line of {path}: a full disk cut it short")
+        lines.pop()
+    with open(path + ".tmp", "w") as file:
         file.writelines(x for x in lines if json.loads(x)["epoch"] < start_epoch)
+    os.replace(path + ".tmp", path)
+
+def contact_sheet(rows: list[tuple[str, list]], cell: int = 128) -> Image.Image:
+    """Each row's images (H, W, 3), at least `cell` pixels wide, under its label."""
+    size = max(cell, rows[0][1][0].shape[0])
+    width = max(640, size * max(len(images) for _, images in rows))
+    sheet = Image.new("RGB", (width, len(rows) * (size + 24)), "white")
+    draw = ImageDraw.Draw(sheet)
+    for row, (label, images) in enumerate(rows):
+        draw.text((4, row * (size + 24) + 4), label, "black", ImageFont.load_default(14))
+        for column, image in enumerate(images):
+            image = Image.fromarray(image).resize((size, size), Image.NEAREST)
+            sheet.paste(image, (column * size, row * (size + 24) + 24))
+    return sheet
 
 def rank_mean(values: dict[str, float], world: int, device) -> dict[str, float]:
     """Each value's mean over ranks: the run's statistics, not rank 0's."""
@@ -489,18 +556,17 @@ def check_finite(where: str, run_dir: str, **values):
     """Stop with a line naming the first non-finite value and the last checkpoint."""
     for name, value in values.items():
         if not torch.isfinite(torch.as_tensor(value)).all():
-            saves = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
-            last = saves[-1] if saves else "none saved yet"
-            fail(f"non-finite {name} at {where}; stopping. Last checkpoint: {last}")
+            fail(f"non-finite {name} at {where}; stopping. Last checkpoint: "
+                 f"{last_checkpoint(run_dir)}")
 
 if __name__ == "__main__":
     # TRY NOT TO MODIFY: input checks, rewards, run directory, before the model loads
     args = tyro.cli(Args, description=__doc__.split("\n\n")[0])
+    state = check_args(args)
     train_prompts, train_meta = [], []  # --eval-only trains on none
     if not args.eval_only:
         train_prompts, train_meta = load_prompts(args.train_prompts)
     test_prompts, test_meta = load_prompts(args.test_prompts)
-    state = check_args(args)
     rank = 0
     world = 1
     device = torch.device("cpu")
@@ -515,6 +581,7 @@ if __name__ == "__main__":
     if quiet:  # the model-loading bars too
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.set_verbosity_error()  # e.g. every truncated prompt
     try:  # a bad reward file, or a reward server not answering, fails here
         rewards.check_prompts(args.reward, train_prompts)
         rewards.check_prompts(args.eval_reward or args.reward, test_prompts)
@@ -524,16 +591,15 @@ if __name__ == "__main__":
             eval_reward_fn = rewards.build_reward(args.eval_reward, device=device)
     except ValueError as error:
         fail(str(error))
+    if len(train_prompts) < args.prompts_per_epoch and not args.eval_only:
+        say("fewer than --prompts-per-epoch prompts: they are drawn with replacement")
     images_per_epoch = args.prompts_per_epoch * args.group_size
     if images_per_epoch % (world * args.batch_size):
         fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split "
              f"into {world} GPUs x --batch-size {args.batch_size}")
     local_images = images_per_epoch // world  # sampled by this rank per epoch
     num_batches = local_images // args.batch_size
-    run_name = [f"{args.exp_name}__{args.seed}__{int(time.time())}"]
-    if world > 1:
-        dist.broadcast_object_list(run_name, src=0)
-    run_dir = os.path.join(args.output_dir, run_name[0])
+    run_dir = None  # a new run's is made once the model has loaded
     parent = os.path.dirname(os.path.abspath(args.resume or "."))
     if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
         run_dir = os.path.dirname(parent)  # a resumed run goes on in its directory
@@ -550,12 +616,10 @@ if __name__ == "__main__":
         fail(f"--timestep-fraction {args.timestep_fraction} trains no step of "
              f"--num-steps {args.num_steps}")
     accum_steps = num_batches // args.updates_per_epoch * num_train_steps
-    if rank == 0 and not args.eval_only:
-        devices = "GPU(s)" if device.type == "cuda" else "process(es)"
-        print(f"{world} {devices} x {num_batches} micro-batches x {args.batch_size} = "
-              f"{images_per_epoch} images/epoch ({args.prompts_per_epoch} prompts x "
-              f"{args.group_size}); {args.updates_per_epoch} updates/epoch of "
-              f"{accum_steps} micro-steps each; run dir {run_dir}")
+    if not args.eval_only:
+        say(f"{world} process(es) x {num_batches} micro-batches x {args.batch_size} = "
+            f"{images_per_epoch} images/epoch; {args.updates_per_epoch} updates/epoch "
+            f"of {accum_steps} micro-steps each")
 
     # TRY NOT TO MODIFY: the model: frozen base in bf16/fp16, LoRA in fp32
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
@@ -581,8 +645,7 @@ if __name__ == "__main__":
             block.compile(dynamic=False)
     optimizer = torch.optim.AdamW(lora_params, lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
-    fp16 = args.mixed_precision == "fp16"
-    scaler = torch.amp.GradScaler(device.type, enabled=fp16)
+    scaler = torch.amp.GradScaler(enabled=args.mixed_precision == "fp16")
     ema_params = [p.detach().clone() for p in lora_params]
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     latent_size = args.resolution // pipe.vae_scale_factor
@@ -608,7 +671,7 @@ if __name__ == "__main__":
     old_params = [p.detach().clone() for p in lora_params]
     snapshots = {"old": old_params}
 
-    # TRY NOT TO MODIFY: resume, logging, eval
+    # TRY NOT TO MODIFY: resume, run directory, signals, logging, eval
     start_epoch = 0
     global_step = 0
     if state is not None:
@@ -620,7 +683,15 @@ if __name__ == "__main__":
         optimizer.load_state_dict(state["optimizer"])
         start_epoch = state["next_epoch"]
         global_step = state["global_step"]
-    if rank == 0:  # a run that fails earlier leaves no directory behind
+    if rank == 0 and run_dir is None:  # made only now: a failed start leaves none
+        name = f"{args.exp_name}__{args.seed}__{int(time.time())}_"
+        run_dir = tempfile.mkdtemp(prefix=name, dir=args.output_dir)  # its run's alone
+    shared = [run_dir]
+    if world > 1:
+        dist.broadcast_object_list(shared, src=0)
+    run_dir = shared[0]
+    if rank == 0:
+        print(f"run dir {run_dir}")
         prepare_run_dir(run_dir, start_epoch)
     if args.track and rank == 0:
         import wandb
@@ -628,11 +699,24 @@ if __name__ == "__main__":
                    name=os.path.basename(run_dir), config=vars(args), save_code=True,
                    dir=run_dir)
 
+    def stop(reason: str, code: int = 1):
+        """End at once, queued rewards dropped: the run is in its checkpoints."""
+        say(f"{reason}; --resume latest continues from {last_checkpoint(run_dir)}")
+        rewards.cancelled.set()
+        sys.stdout.flush()
+        os._exit(code)
+
+    for number in (signal.SIGTERM, signal.SIGINT):  # preemption, Ctrl-C
+        signal.signal(number, lambda number, _: stop(
+            f"stopped by {signal.Signals(number).name}", 128 + number))
+
     def log(metrics: dict, epoch: int):
         if rank != 0:
             return
+        strict = {name: None if isinstance(value, float) and not math.isfinite(value)
+                  else value for name, value in metrics.items()}  # JSON has no NaN
         with open(os.path.join(run_dir, "metrics.jsonl"), "a") as file:
-            file.write(json.dumps({"epoch": epoch, **metrics}) + "\n")
+            file.write(json.dumps({"epoch": epoch, **strict}) + "\n")
         if args.track:  # the eval sheets as images
             sheets = {name: wandb.Image(os.path.join(run_dir, value))
                       for name, value in metrics.items() if name.endswith("sheet")}
@@ -640,60 +724,64 @@ if __name__ == "__main__":
 
     @torch.no_grad()
     def run_eval(epoch: int, prefix: str = "eval/") -> dict:
-        """Score the EMA's ODE samples of the test prompts: prompt i on rank i % world,
-        from noise seed i (the same on any GPU count)."""
-        by_prompt = {}  # test prompt -> its indices
-        for i, text in enumerate(test_prompts):
-            by_prompt.setdefault(text, []).append(i)
-        cols = math.ceil(math.sqrt(args.eval_sheet_size))  # a row per prompt
-        sheet_ids = [i for ids in by_prompt.values() for i in ids[:cols]]
-        sheet_ids = sheet_ids[: args.eval_sheet_size]
+        """Score the EMA's ODE samples (EMA 0: the LoRA), one per test prompt i and eval
+        seed s, from noise seeded (s, i): the same on any GPU count."""
+        items = [(i, seed) for seed in args.eval_seeds for i in range(len(test_prompts))]
+        by_prompt = {}  # test prompt -> its items
+        for item in items:
+            by_prompt.setdefault(test_prompts[item[0]], []).append(item)
+        # The contact sheet: the first 4 samples of the first 4 test prompts
+        shown = [item for row in list(by_prompt.values())[:4] for item in row[:4]]
         transformer.eval()  # as in sampling: compiled graphs depend on the mode
-        scores = []
-        sheet = {}
-        thumbs = {}
-        my_prompts = list(range(rank, len(test_prompts), world))
-        for start in range(0, len(my_prompts), args.eval_batch_size):
-            ids = my_prompts[start : start + args.eval_batch_size]
-            prompts = [test_prompts[i] for i in ids]
+        results = {}  # item -> its scores, 32x32 thumbnail, image if shown
+        mine = items[rank::world]
+        for start in range(0, len(mine), args.eval_batch_size):
+            batch = mine[start : start + args.eval_batch_size]
+            prompts = [test_prompts[i] for i, _ in batch]
             noise = torch.stack([
                 torch.randn(latent_shape, device=device,
-                            generator=seeded_generator(device, args.seed, i))
-                for i in ids])
+                            generator=seeded_generator(device, seed, i))
+                for i, seed in batch])
             text = encode(pipe, prompts, device, args.max_sequence_length)
-            with swapped(lora_params, ema_params):  # with EMA 0: the LoRA
+            with swapped(lora_params, ema_params):
                 final = ode_sample(partial(velocity, text=text), noise, eval_sigmas)
             images = decode(pipe.vae, final)
-            meta = [test_meta[i] for i in ids]
-            batch_scores, info = eval_reward_fn(images.cpu(), prompts, meta)
+            meta = [test_meta[i] for i, _ in batch]
+            try:
+                batch_scores, info = eval_reward_fn(images.cpu(), prompts, meta)
+            except rewards.RewardError as error:
+                stop(f"error: {error} in the eval after {epoch} epochs")
             columns = {"reward_mean": batch_scores, **info}
-            for j in range(len(ids)):
-                scores.append({name: float(values[j]) for name, values in columns.items()})
             pixels = images.permute(0, 2, 3, 1).cpu().numpy() * 255
             pixels = pixels.round().astype(np.uint8)
-            sheet.update({i: image for i, image in zip(ids, pixels) if i in sheet_ids})
             small = torch.nn.functional.interpolate(images, size=32, mode="area")
-            thumbs.update(zip(ids, small.flatten(1).cpu()))
+            for j, item in enumerate(batch):
+                row = {name: float(values[j]) for name, values in columns.items()}
+                image = pixels[j] if item in shown else None
+                results[item] = (row, small[j].flatten().cpu(), image)
         if world > 1:
             gathered = [None] * world
-            dist.all_gather_object(gathered, (scores, sheet, thumbs))
-            scores = [score for part, _, _ in gathered for score in part]
-            sheet = {i: image for _, part, _ in gathered for i, image in part.items()}
-            thumbs = {i: small for _, _, part in gathered for i, small in part.items()}
-        means = {name: float(np.mean([row[name] for row in scores]))
-                 for name in scores[0]}
-        groups = [torch.stack([thumbs[i] for i in ids]) for ids in by_prompt.values()]
+            dist.all_gather_object(gathered, results)
+            results = {item: result for part in gathered for item, result in part.items()}
+        rows = [results[item][0] for item in items]
+        means = {name: float(np.mean([row[name] for row in rows])) for name in rows[0]}
+        values = [row["reward_mean"] for row in rows]
+        means["reward_stderr"] = float(np.std(values, ddof=1) / len(rows) ** 0.5)
+        groups = [torch.stack([results[item][1] for item in row])
+                  for row in by_prompt.values()]
         distances = [torch.pdist(group).mean() / group.shape[1] ** 0.5
                      for group in groups if len(group) > 1]
         if distances:  # RMS pixel distance of two samples of one prompt
             means["diversity"] = float(torch.stack(distances).mean())
-        if rank == 0:  # the contact sheet: black cells end the last row
-            cells = [sheet[i] for i in sheet_ids]
-            cells += [np.zeros_like(cells[0])] * (-len(cells) % cols)
-            rows = [np.concatenate(cells[i : i + cols], axis=1)
-                    for i in range(0, len(cells), cols)]
+        if rank == 0:  # a row per test prompt, labelled with its mean reward
+            labelled = []
+            for text, row in by_prompt.items():
+                reward = np.mean([results[item][0]["reward_mean"] for item in row])
+                images = [results[item][2] for item in row if item in shown]
+                if images:
+                    labelled.append((f"{reward:.3f}  {text}", images))
             path = os.path.join(run_dir, f"eval_{epoch:05d}.png")
-            Image.fromarray(np.concatenate(rows, axis=0)).save(path)
+            contact_sheet(labelled).save(path)
             name = args.eval_reward or args.reward
             print(f"eval after {epoch} epochs: {name} = {means['reward_mean']:.4f}")
             means["sheet"] = os.path.basename(path)  # in the run directory
@@ -734,7 +822,7 @@ if __name__ == "__main__":
         progress = tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet, leave=False)
         with swapped(lora_params, old_params):
             for groups in progress:
-                text = epoch_text.rows(groups)
+                text = Text(epoch_text.embeds[groups], epoch_text.pooled[groups])
                 noise = torch.randn((args.batch_size, *latent_shape),
                                     generator=noise_gen, device=device)
                 latents = dpm_sample(partial(velocity, text=text), noise, sigmas)
@@ -747,7 +835,10 @@ if __name__ == "__main__":
 
         # TRY NOT TO MODIFY: all ranks' rewards, in rank order, and the advantages
         reward_start = clock(device)
-        scores, infos = zip(*[future.result() for future in futures])
+        try:
+            scores, infos = zip(*[future.result() for future in futures])
+        except rewards.RewardError as error:
+            stop(f"error: {error} at epoch {epoch}")
         info = {name: torch.cat([part[name] for part in infos]) for name in infos[0]}
         all_rewards = torch.cat(scores).float().to(device)
         all_rewards = all_gather_cat(all_rewards, world).cpu()  # (P*G,)
@@ -833,7 +924,7 @@ if __name__ == "__main__":
                    f"kl {metrics['losses/kl']:.3e} | "
                    f"old dev {metrics['losses/old_deviate']:.1e} eta {eta:.3f}")
 
-        # TRY NOT TO MODIFY: shared metrics, final eval, the summary line, checkpoints
+        # TRY NOT TO MODIFY: shared metrics, the line, checkpoint, final eval, card
         epoch_end = clock(device)
         epoch_seconds = epoch_end - epoch_start
         compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -866,18 +957,22 @@ if __name__ == "__main__":
                     f"{metrics['perf/images_per_sec']:.2f} img/s | "
                     f"{epoch_seconds:.0f}s")
             if "eval/reward_mean" in metrics:
-                line += f" | eval {metrics['eval/reward_mean']:.4f}"
-            print(line)
-        if epoch + 1 == args.epochs:  # logged with the last epoch, printed after it
-            metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
-        log(metrics, epoch)
-        if (epoch + 1) % args.save_every == 0 or epoch + 1 == args.epochs:
+                line += (f" | eval {metrics['eval/reward_mean']:.4f} ± "
+                         f"{metrics['eval/reward_stderr']:.4f}")
+            print(line + " (nan: a reward gave no number)" * ("nan" in line))
+        path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
+        try:  # saved each epoch: a preemption loses at most the epoch under way
             if rank == 0:
-                path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
                 save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
                                 optimizer, epoch + 1, global_step, args)
+                prune_checkpoints(run_dir, path, args.save_every)
             if world > 1:
                 dist.barrier()
+            if epoch + 1 == args.epochs:  # logged with the last epoch
+                metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
+            log(metrics, epoch)
+        except (OSError, SafetensorError) as error:
+            stop(f"error: {error} (saving epoch {epoch + 1})")
     executor.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -145,7 +145,7 @@ def test_script_fits_its_budget(script):
     mean <= 55 characters per non-blank line: clarity, not packing."""
     lines = read(script).splitlines()
     filled = [line for line in lines if line.strip()]
-    assert len(lines) <= 900, f"{script}: {len(lines)} lines"
+    assert len(lines) <= 1000, f"{script}: {len(lines)} lines"
     mean = sum(map(len, filled)) / len(filled)
     assert mean <= 55, f"{script}: {mean:.2f} characters per non-blank line"
 
