@@ -16,15 +16,22 @@ Provenance: XueZeyue/DanceGRPO@15cc71d, fastvideo/train_grpo_flux.py unless name
     LORA_TARGETS, the init   train_grpo_flux_lora.py
     shard_for_full_finetune  fastvideo/utils/fsdp_util.py (FSDP1 there)
     the EMA warm-up          yifan123/flow_grpo, flow_grpo/ema.py
+    dppo_keep                Flow-DPPO, Tencent-Hunyuan/UniRL@1a7b501 (sde.py)
+    sde_window, dpm_step     MixGRPO(-Flash), Tencent-Hunyuan/MixGRPO@e5cdd6a (sde.py)
 """
 
 import glob
+import hashlib
+import io
 import json
+import logging
 import math
 import os
 import resource
 import shutil
+import signal
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -34,98 +41,95 @@ from functools import partial
 from typing import Literal, NamedTuple
 
 import numpy as np
-import diffusers
 import torch
 import torch.distributed as dist
 import transformers
 import tyro
+# Without torchvision, transformers warns that it uses PIL image processors: we do.
+logging.getLogger("transformers.utils.import_utils").addFilter(
+    lambda record: "requires torchvision" not in record.getMessage())
+import diffusers  # noqa: E402 (after the filter)
 from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
 from huggingface_hub import save_torch_state_dict
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
+from safetensors import SafetensorError
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 from tqdm import tqdm
 
 import rewards
-from sde import group_advantages, sde_step, sde_window, shift_sigmas
+from sde import (dpm_step, dppo_keep, flash_sigmas, group_advantages, sde_step,
+                 sde_window, shift_sigmas, step_kl)
 
 # ALGO LOGIC: what a researcher changes. TRY NOT TO MODIFY: plumbing; it
-# reads six names that ALGO LOGIC sets:
-#   eval_sigmas     the sigma grid of eval's ODE sampler
-#   group_ids       (P*G,) the group (prompt) of each of the epoch's images
-#   sampling_start  the clock after this rank's text encoding
-#   futures         this rank's micro-batches' rewards, as futures
-#   grad_norm       the gradient norm of the last optimizer step
-#   summary         the algorithm's part of the epoch's line on stdout
+# reads five names that ALGO LOGIC sets:
+#   eval_sigmas  the sigma grid of eval's ODE sampler
+#   group_ids    (P*G,) the group (prompt) of each of the epoch's images
+#   futures      this rank's micro-batches' rewards, as futures
+#   grad_norm    the gradient norm of the last optimizer step
+#   summary      the algorithm's part of the epoch's line on stdout
 
 @dataclass
 class Args:
-    # Experiment
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of the experiment (wandb group, run-directory prefix)"""
+    """wandb group and run-directory prefix"""
     seed: int = 42
-    """seed of the LoRA init, prompt draws and noise (per epoch and rank)"""
+    """seed of the LoRA init, prompt draws and noise"""
     track: bool = False
-    """log to Weights & Biases (metrics.jsonl is always written)"""
+    """log to Weights & Biases too"""
     wandb_project: str = "flowrl"
     """wandb project"""
     wandb_entity: str | None = None
     """wandb entity (None: your default one)"""
     output_dir: str = "runs"
-    """runs go to OUTPUT_DIR/RUN_NAME (metrics, eval sheets, checkpoints)"""
+    """runs go to OUTPUT_DIR/RUN_NAME"""
     resume: str | None = None
-    """checkpoint to continue from; `latest`: this exp-name and seed's newest"""
+    """checkpoint to continue; `latest`: this exp-name and seed's newest"""
     eval_only: bool = False
-    """only evaluate the EMA weights of --resume (or the base model), then exit"""
-    # Model
+    """evaluate --resume's EMA (with its flags, but those given), or the base"""
     model: str = "black-forest-labs/FLUX.1-dev"
     """hub id or local path of a diffusers FluxPipeline"""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
-    """dtype of the frozen weights and autocast (trained ones, VAE: fp32)"""
+    """dtype of the frozen weights (trained ones, VAE: fp32), with autocast"""
     gradient_checkpointing: bool = True
-    """recompute activations in the backward pass (FLUX is 12B)"""
+    """recompute activations in backward (FLUX is 12B)"""
     compile: bool = torch.cuda.is_available()
-    """torch.compile each transformer block (~2x faster on a GPU; on with CUDA)"""
+    """torch.compile each transformer block (~2x faster; on with CUDA)"""
     full_finetune: bool = False
     """train all weights (fp32, FSDP2-sharded) as the paper, not a LoRA"""
     lora_rank: int = 128
     """LoRA rank on to_q/to_k/to_v/to_out.0 of every attention"""
     lora_alpha: int = 256
     """LoRA alpha (scale = alpha / rank)"""
-    # Data and reward
     train_prompts: str = "prompts/train.txt"
     """a prompt per line, or JSONL: `prompt` and fields for the reward"""
     test_prompts: str = "prompts/test.txt"
     """eval prompts, same format"""
     reward: str = "hpsv2"
-    """a rewards.py name, a sum `ocr=1.0,pickscore=0.5`, or `file.py:function`"""
+    """rewards.py name, weighted sum `ocr=1,pickscore=0.5`, `file.py:fn`"""
     eval_reward: str | None = None
     """reward of eval (None: the training reward)"""
-    # Sampling
     resolution: int = 720
     """image height and width in pixels"""
     eval_num_steps: int = 28
     """Euler ODE steps of eval"""
-    # Batch sizes (global ones do not depend on the GPU count)
     group_size: int = 12
     """images per prompt (a group: its rewards normalise each other)"""
     eval_batch_size: int = 8
     """per-GPU eval batch"""
     epochs: int = 300
     """epochs to train (each: sample, score, update)"""
-    # Optimisation
     learning_rate: float = 3e-4
     """AdamW learning rate (constant)"""
     weight_decay: float = 1e-4
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient-norm clip"""
-    # Logging, eval, checkpoints
-    eval_sheet_size: int = 16
-    """eval images in the contact sheet: a row per distinct test prompt"""
+    eval_seeds: tuple[int, ...] = (42,)
+    """eval noise: a sample per test prompt and seed (tune on others)"""
     # Algorithm-specific arguments (defaults: upstream's LoRA recipe)
     max_sequence_length: int = 512
     """T5 tokens per prompt"""
@@ -140,21 +144,31 @@ class Args:
     sde_window_size: int = 0
     """K > 0: SDE on K consecutive steps, all trained; ODE elsewhere"""
     sde_window_range: tuple[int, int] | None = None
-    """A B: the window lies in steps [A, B) (None: 0 and num_steps // 2)"""
+    """A B: the window lies in steps [A, B) (None: 0, num_steps // 2)"""
     window_shift_every: int | None = None
-    """N: the window slides every N epochs (MixGRPO; None: random per micro-batch)"""
+    """N: the window slides every N epochs (MixGRPO; None: random)"""
+    window_stride: int = 1
+    """steps it slides by (MixGRPO's --prog_overlap_step; 0: it stays at A)"""
+    window_roll_back: bool = True
+    """after its empty window at B, start over at A (MixGRPO's --roll_back)"""
+    flash_ratio: float = 0.0
+    """MixGRPO-Flash: DPM-Solver++ after the window (Flash 0.4, Flash* 0.2)"""
     prompts_per_epoch: int = 16
     """prompts (groups) per epoch, over all GPUs"""
     batch_size: int = 1
     """per-GPU micro-batch of rollout and training"""
     updates_per_epoch: int = 2
-    """optimizer steps per epoch (the first is exactly on-policy)"""
+    """optimizer steps per epoch (the first is on-policy)"""
     timestep_fraction: float = 0.6
-    """each sample trains int((num_steps - 1) x fraction) random steps"""
+    """each sample trains int((num_steps - 1) x this) random steps"""
     clip_range: float = 1e-4
-    """PPO clip of the ratio (tiny: log-probs are means over elements, sde.py)"""
+    """PPO clip (tiny: log-probs are means over elements, sde.py)"""
+    trust_region: Literal["clip", "dppo"] = "clip"
+    """PPO's ratio clip, or Flow-DPPO's KL mask (sde.py dppo_keep)"""
+    dppo_threshold: float = 1e-5
+    """dppo: the step KL above which aggressive moves drop (UniRL's tau)"""
     adv_clip: float = 5.0
-    """advantages are clipped to +-adv_clip"""
+    """advantages are clipped to +-adv_clip (not by dppo: UniRL's)"""
     init_same_noise: bool = True
     """a group's images start from one initial latent"""
     ema_decay: float = 0.0
@@ -162,7 +176,7 @@ class Args:
     eval_every: int = 50
     """evaluate every N epochs (and after the last)"""
     save_every: int = 50
-    """checkpoint every N epochs (and after the last)"""
+    """keep every N-th epoch's save (a LoRA's: each; --full-finetune: these)"""
 
 # TRY NOT TO MODIFY: the LoRA's layers (upstream's), what --resume must match, ranges
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -174,7 +188,7 @@ RANGES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: 
 LIMITS = {"seed": ">= 0", "lora_rank": ">= 1", "lora_alpha": "> 0",
           "resolution": ">= 1", "eval_num_steps": ">= 1", "group_size": ">= 2",
           "eval_batch_size": ">= 1", "epochs": ">= 1", "learning_rate": ">= 0",
-          "weight_decay": ">= 0", "max_grad_norm": "> 0", "eval_sheet_size": ">= 1",
+          "weight_decay": ">= 0", "max_grad_norm": "> 0", "eval_seeds": ">= 0",
           "max_sequence_length": ">= 1", "num_steps": ">= 1",
           "guidance_scale": ">= 0", "prompts_per_epoch": ">= 1",
           "batch_size": ">= 1", "adv_clip": "> 0",
@@ -183,8 +197,9 @@ LIMITS = {"seed": ">= 0", "lora_rank": ">= 1", "lora_alpha": "> 0",
 # ALGO LOGIC: the ranges of this algorithm's flags, the sampler and the loss
 ALGO_LIMITS = {"shift": "> 0", "noise_level": ">= 0", "sde_window_size": ">= 0",
                "sde_window_range": ">= 0", "window_shift_every": ">= 1",
+               "window_stride": ">= 0", "flash_ratio": ">= 0",
                "updates_per_epoch": ">= 1", "timestep_fraction": "in (0, 1]",
-               "clip_range": ">= 0"}
+               "clip_range": ">= 0", "dppo_threshold": ">= 0"}
 STEP_STREAM = 1  # a seed key: the steps each sample trains
 GROUP_NOISE_STREAM = 2  # a seed key: a group's initial latent
 
@@ -195,32 +210,42 @@ def dance_sigmas(num_steps: int, shift: float) -> torch.Tensor:
 class Rollout(NamedTuple):
     """A micro-batch's rollout, kept for training. K: the window's steps."""
     start: int  # the window's first step
-    latents: torch.Tensor  # (B, K+1, L, 4C): x at the window's steps and after
+    latents: torch.Tensor  # (B, K+1, L, 4C): x at its steps and after (K 0: None)
     log_probs: torch.Tensor  # (B, K): log-probs, means over elements (sde.py)
+    means: torch.Tensor  # (B, K, L, 4C): the steps' Gaussian means
     sample: torch.Tensor  # (B, L, 4C): the last step's x0_hat (scored)
 
 @torch.no_grad()
-def rollout(velocity, noise, sigmas, window, noise_level, generator) -> Rollout:
-    """Sample from sigma 1 to 0: the dance SDE at the steps i in [window[0],
-    window[1]), the Euler ODE at the others. velocity(x, sigma) -> v. All fp32."""
+def rollout(velocity, noise, sigmas, window, noise_level, generator,
+            dpm_from=None) -> Rollout:
+    """Sample from sigma 1 to 0: the dance SDE at the steps in [window[0], window[1]),
+    Euler at the others, or from step dpm_from on DPM-Solver++(2M). All fp32."""
     start, end = window
     x = noise.float()
     latents = []
     log_probs = []
+    means = []
+    x0_hat = None
     for i in range(len(sigmas) - 1):
         if i == start:
             latents.append(x)
         v = velocity(x, sigmas[i])
+        if dpm_from is not None and i >= dpm_from:  # its history: the last x0_hat
+            x, x0_hat = dpm_step(v, x, sigmas, i, x0_hat)
+            continue
         # Upstream scores the last step's x0 prediction.
         x0_hat = x - sigmas[i] * v
         kind = "dance" if start <= i < end else "ode"
-        x, log_prob, _, _ = sde_step(v, x, sigmas[i], sigmas[i + 1], kind,
-                                     noise_level, generator=generator)
+        x, log_prob, mean, _ = sde_step(v, x, sigmas[i], sigmas[i + 1], kind,
+                                        noise_level, generator=generator)
         if kind == "dance":
             latents.append(x)
             log_probs.append(log_prob)
-    latents = torch.stack(latents, 1)
-    return Rollout(start, latents, torch.stack(log_probs, 1), x0_hat)
+            means.append(mean)
+    if not log_probs:  # an empty window (MixGRPO's last): nothing to train
+        return Rollout(start, None, None, None, x0_hat)
+    kept = [torch.stack(values, 1) for values in (latents, log_probs, means)]
+    return Rollout(start, *kept, x0_hat)
 
 def select_train_steps(batch: int, num_steps: int, fraction: float, generator):
     """(batch, K): each sample's own K = int((num_steps - 1) * fraction) random
@@ -229,21 +254,31 @@ def select_train_steps(batch: int, num_steps: int, fraction: float, generator):
     order = torch.rand(batch, candidates, generator=generator).argsort(dim=1)
     return order[:, : int(candidates * fraction)]
 
-def grpo_loss(*, log_prob, old_log_prob, advantages, clip_range, adv_clip,
-              accum_steps):
+def grpo_loss(*, log_prob, old_log_prob, advantages, mean, old_mean, std,
+              trust_region, clip_range, dppo_threshold, adv_clip, accum_steps):
     """A sampling step's loss: (loss to backward, ratio, {statistic: float}).
-    (B,): log_prob, old_log_prob (the policy's, the rollout's), advantages A, clipped
-    to +-adv_clip. PPO's max(-A ratio, -A clip(ratio, 1 +- clip_range)) / accum_steps."""
+    (B,): log_prob, old_log_prob (the policy's, the rollout's), advantages A. clip:
+    PPO's max(-A ratio, -A clip(ratio, 1 +- clip_range)), A clipped to +-adv_clip;
+    dppo: -A ratio where dppo_keep, by the KL of N(mean, std) to N(old_mean, std)."""
+    stats = {}
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
-    clipped_advantages = advantages.clamp(-adv_clip, adv_clip)
-    clipped_ratio = ratio.clamp(1 - clip_range, 1 + clip_range)
-    policy_loss = torch.maximum(-clipped_advantages * ratio,
-                                -clipped_advantages * clipped_ratio).mean()
-    clipped = (ratio - 1).abs() > clip_range
-    stats = {"policy_loss": policy_loss.item(),
-             "approx_kl": 0.5 * (log_ratio**2).mean().item(),
-             "clipfrac": clipped.float().mean().item()}
+    if trust_region == "dppo":  # UniRL clips no advantage
+        old_kl = step_kl(mean.detach(), old_mean, std)  # (B,)
+        keep = dppo_keep(ratio.detach(), advantages, old_kl, dppo_threshold)
+        stats["dppo_masked_frac"] = 1 - keep.float().mean().item()
+        stats["dppo_old_kl"] = old_kl.mean().item()
+        stats["dppo_old_kl_max"] = old_kl.max().item()
+        # A dropped term still counts in the mean, as upstream.
+        policy_loss = torch.where(keep, -advantages * ratio, 0.0).mean()
+    else:
+        advantages = advantages.clamp(-adv_clip, adv_clip)
+        clipped_ratio = ratio.clamp(1 - clip_range, 1 + clip_range)
+        policy_loss = torch.maximum(-advantages * ratio,
+                                    -advantages * clipped_ratio).mean()
+    stats["policy_loss"] = policy_loss.item()
+    stats["approx_kl"] = 0.5 * (log_ratio**2).mean().item()
+    stats["clipfrac"] = ((ratio - 1).abs() > clip_range).float().mean().item()
     return policy_loss / accum_steps, ratio, stats
 
 # TRY NOT TO MODIFY: helpers, the SD3.5 scripts' where FLUX needs no other
@@ -252,14 +287,16 @@ class Text(NamedTuple):
     embeds: torch.Tensor
     pooled: torch.Tensor
 
-    def rows(self, index) -> "Text":
-        return Text(self.embeds[index], self.pooled[index])
-
 def fail(message: str):
-    raise SystemExit(f"error: {message}")
+    """Stop with one line, printed once (by rank 0 under torchrun)."""
+    raise SystemExit(1 if os.environ.get("RANK", "0") != "0" else f"error: {message}")
+
+def say(message: str):
+    if os.environ.get("RANK", "0") == "0":
+        print(message, flush=True)
 
 def check_ranges(args):
-    """Every number flag is finite and inside its range in LIMITS or ALGO_LIMITS."""
+    """Every number flag is finite and in its range (LIMITS, ALGO_LIMITS)."""
     for field in fields(args):
         value = getattr(args, field.name)
         allowed = (LIMITS | ALGO_LIMITS).get(field.name)
@@ -271,12 +308,38 @@ def check_ranges(args):
                 fail(f"{flag} must be {allowed}, got {value}")
 
 def check_args(args) -> dict | None:
-    """Checks that need no weights; returns the checkpoint's state when resuming."""
+    """Checks that need no weights; the checkpoint's state if resuming."""
+    state = None
+    if args.resume == "latest":  # e.g. torchrun --max-restarts: start, or continue
+        runs = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__*")
+        saves = glob.glob(os.path.join(runs, "checkpoints", "epoch_*"))
+        args.resume = None  # runs sort by start time, then epoch: the newest good one
+        for save in sorted(saves, reverse=True):
+            state = load_checked(save)
+            if isinstance(state, dict):
+                args.resume = save
+                break
+            say(f"skipping {save}: {state}")
+    elif args.resume:
+        state = load_checked(args.resume)
+        if isinstance(state, str):
+            fail(f"--resume {args.resume!r}: {state}")
+    if args.resume:
+        say(f"resuming from {args.resume}")
+    if args.resume and args.eval_only:  # the checkpoint's flags, but those given
+        given = {word[2:].split("=")[0].removeprefix("no-").replace("-", "_")
+                 for word in sys.argv[1:] if word.startswith("--")}
+        for name, value in state["args"].items():
+            if name not in given | {"resume", "eval_only"}:
+                setattr(args, name, value)
     check_ranges(args)
     if args.mixed_precision == "fp16" and not torch.cuda.is_available():
         fail("--mixed-precision fp16 needs a GPU (on CPU: bf16 or no)")
-    if os.path.exists(args.output_dir) and not os.path.isdir(args.output_dir):
-        fail(f"--output-dir {args.output_dir!r} is a file")
+    try:  # found now, not after the model loads
+        os.makedirs(args.output_dir, exist_ok=True)
+        tempfile.TemporaryFile(dir=args.output_dir).close()
+    except OSError as error:
+        fail(f"--output-dir {args.output_dir!r}: {error.strerror}")
     lora_flags = (args.lora_rank, args.lora_alpha) != (Args.lora_rank, Args.lora_alpha)
     if args.full_finetune and (lora_flags or args.mixed_precision == "fp16"):
         fail("--full-finetune: no LoRA-only --lora-rank/--lora-alpha, no fp16")
@@ -295,20 +358,10 @@ def check_args(args) -> dict | None:
         if not wandb.login(prompt=False):
             fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), "
                  "or WANDB_MODE=offline")
-    if args.resume == "latest":  # e.g. torchrun --max-restarts: start, or continue
-        runs = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__*")
-        saves = glob.glob(os.path.join(runs, "checkpoints", "epoch_*"))
-        args.resume = max(saves, key=os.path.getmtime, default=None)
     if not args.resume:
         return None
-    path = os.path.join(args.resume, "state.pt")
-    hidden = os.path.basename(os.path.abspath(args.resume)).startswith(".")
-    if hidden or not os.path.isfile(path):
-        fail(f"--resume {args.resume!r} is not a checkpoint directory (no state.pt, or "
-             "hidden: an unfinished save)")
     if os.path.isdir(os.path.join(args.resume, "dcp")) != args.full_finetune:
         fail(f"--resume {args.resume!r} needs the --full-finetune it was saved with")
-    state = torch.load(path, map_location="cpu")
     script = os.path.basename(__file__)
     if state.get("script") != script:  # e.g. a GRPO run's, in DanceGRPO
         fail(f"--resume {args.resume!r} is not a checkpoint of {script}")
@@ -320,11 +373,39 @@ def check_args(args) -> dict | None:
         fail(f"--epochs {args.epochs} is not past the checkpoint's {state['next_epoch']}")
     return state
 
+def load_state(save: str) -> dict | str:
+    """A checkpoint's state if it matches its checksum (written last), else why not."""
+    try:
+        with open(os.path.join(save, "state.pt"), "rb") as file:
+            data = file.read()
+        with open(os.path.join(save, "state.pt.sha256")) as file:
+            digest = file.read().strip()
+    except OSError as error:
+        return f"not a checkpoint directory ({error.strerror}: {error.filename})"
+    if hashlib.sha256(data).hexdigest() != digest:
+        return "corrupt: its state.pt does not match state.pt.sha256"
+    return torch.load(io.BytesIO(data), map_location="cpu")
+
+def load_checked(save: str) -> dict | str:
+    """load_state; a full fine-tune's dcp/ files must also have the sizes its state.pt
+    lists: a shard missing or cut short is found, flipped bytes in one are not (hashing
+    tens of GB on rank 0 takes minutes)."""
+    state = load_state(save)
+    if isinstance(state, dict) and "shards" in state:
+        if file_sizes(os.path.join(save, "dcp")) != state["shards"]:
+            return "corrupt: its dcp/ files are not those state.pt lists"
+    return state
+
+def file_sizes(folder: str) -> dict[str, int]:
+    """{name: bytes} of the files in folder."""
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return {name: os.path.getsize(os.path.join(folder, name)) for name in names}
+
 def load_prompts(path: str) -> tuple[list[str], list[dict]]:
     """A prompt per line, or JSONL with a `prompt`: the prompts, their metadata."""
     if not os.path.isfile(path):
         fail(f"prompt file {path!r} does not exist (docs/usage.md: prompt sets)")
-    with open(path, encoding="utf-8") as file:
+    with open(path, encoding="utf-8-sig") as file:  # a BOM is no part of a prompt
         lines = [line.strip() for line in file if line.strip()]
     if not lines:
         fail(f"prompt file {path!r} is empty")
@@ -424,8 +505,9 @@ def sharded_state(transformer, optimizer, ema_params) -> dict:
 
 def save_checkpoint(path, transformer, params, ema_params, optimizer, next_epoch,
                     global_step, args, rank: int):
-    """On every rank; atomic (a hidden directory, renamed). LoRA: `lora/`,
-    `ema_lora/`; else `dcp/` and, at the end, diffusers `(ema_)transformer/`."""
+    """On every rank, to a hidden directory, then renamed. LoRA: `lora/`, `ema_lora/`;
+    else `dcp/` and, at the end, diffusers `(ema_)transformer/`; state.pt and its
+    checksum last."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     state = {"next_epoch": next_epoch, "global_step": global_step, "args": asdict(args),
              "script": os.path.basename(__file__)}
@@ -447,6 +529,7 @@ def save_checkpoint(path, transformer, params, ema_params, optimizer, next_epoch
                 with open(f"{tmp}/{name}/config.json", "w") as file:
                     json.dump(config, file, indent=2)
         state["kind"] = "full_finetune"
+        state["shards"] = file_sizes(f"{tmp}/dcp")  # all written: dcp's save gathers
     elif rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         config = transformer.peft_config["default"].to_dict()
@@ -459,11 +542,23 @@ def save_checkpoint(path, transformer, params, ema_params, optimizer, next_epoch
         state["ema"] = [p.cpu() for p in ema_params]
         state["optimizer"] = optimizer.state_dict()
     if rank == 0:
-        torch.save(state, os.path.join(tmp, "state.pt"))
-        if os.path.exists(path):
-            os.rename(path, path + ".old")
+        data = io.BytesIO()  # Python writes it: a full disk is an OSError naming it
+        torch.save(state, data)
+        with open(f"{tmp}/state.pt", "wb") as file:
+            file.write(data.getvalue())
+        with open(f"{tmp}/state.pt.sha256", "w") as file:
+            file.write(hashlib.sha256(data.getvalue()).hexdigest())
         os.rename(tmp, path)
-        shutil.rmtree(path + ".old", ignore_errors=True)
+
+def prune_checkpoints(run_dir: str, current: str, save_every: int):
+    """Drop the checkpoints but current that are not on the --save-every grid."""
+    for save in glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")):
+        if save != current and int(save[-5:]) % save_every:
+            shutil.rmtree(save)
+
+def last_checkpoint(run_dir: str) -> str:
+    saves = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
+    return saves[-1] if saves else "none saved yet"
 
 @contextmanager
 def swapped(params, copies):
@@ -480,14 +575,33 @@ def swapped(params, copies):
         swap()
 
 def prepare_run_dir(run_dir: str, start_epoch: int):
-    """Make the run directory; drop a crashed save and redone epochs' metrics."""
-    for tmp in glob.glob(os.path.join(run_dir, "checkpoints", ".*")):
-        shutil.rmtree(tmp)
+    """Go on at start_epoch: drop crashed saves, and the checkpoints and metrics of
+    the epochs it redoes; replace metrics.jsonl whole, without a cut-off line."""
+    folder = os.path.join(run_dir, "checkpoints")
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        if name[0] == "." or int(name[-5:]) > start_epoch:  # hidden: a crashed save
+            shutil.rmtree(os.path.join(folder, name))
     path = os.path.join(run_dir, "metrics.jsonl")
     lines = open(path).readlines() if os.path.exists(path) else []
-    os.makedirs(run_dir, exist_ok=True)
-    with open(path, "w") as file:
+    if lines and not lines[-1].endswith("\n"):
+        say(f"dropping the last line of {path}: a full disk cut it short")
+        lines.pop()
+    with open(path + ".tmp", "w") as file:
         file.writelines(x for x in lines if json.loads(x)["epoch"] < start_epoch)
+    os.replace(path + ".tmp", path)
+
+def contact_sheet(rows: list[tuple[str, list]], cell: int = 128) -> Image.Image:
+    """Each row's images (H, W, 3), at least `cell` pixels wide, under its label."""
+    size = max(cell, rows[0][1][0].shape[0])
+    width = max(640, size * max(len(images) for _, images in rows))
+    sheet = Image.new("RGB", (width, len(rows) * (size + 24)), "white")
+    draw = ImageDraw.Draw(sheet)
+    for row, (label, images) in enumerate(rows):
+        draw.text((4, row * (size + 24) + 4), label, "black", ImageFont.load_default(14))
+        for column, image in enumerate(images):
+            image = Image.fromarray(image).resize((size, size), Image.NEAREST)
+            sheet.paste(image, (column * size, row * (size + 24) + 24))
+    return sheet
 
 def rank_mean(values: dict[str, float], world: int, device) -> dict[str, float]:
     """Each value's mean over ranks: the run's statistics, not rank 0's."""
@@ -504,18 +618,17 @@ def check_finite(where: str, run_dir: str, **values):
     """Stop with a line naming the first non-finite value and the last checkpoint."""
     for name, value in values.items():
         if not torch.isfinite(torch.as_tensor(value)).all():
-            saves = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
-            last = saves[-1] if saves else "none saved yet"
-            fail(f"non-finite {name} at {where}; stopping. Last checkpoint: {last}")
+            fail(f"non-finite {name} at {where}; stopping. Last checkpoint: "
+                 f"{last_checkpoint(run_dir)}")
 
 if __name__ == "__main__":
     # TRY NOT TO MODIFY: input checks, rewards, run directory, before the model loads
     args = tyro.cli(Args, description=__doc__.split("\n\n")[0])
+    state = check_args(args)
     train_prompts, train_meta = [], []  # --eval-only trains on none
     if not args.eval_only:
         train_prompts, train_meta = load_prompts(args.train_prompts)
     test_prompts, test_meta = load_prompts(args.test_prompts)
-    state = check_args(args)
     rank = 0
     world = 1
     device = torch.device("cpu")
@@ -532,6 +645,7 @@ if __name__ == "__main__":
     if quiet:  # the model-loading bars too
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.set_verbosity_error()  # e.g. every truncated prompt
     try:  # a bad reward file, or a reward server not answering, fails here
         rewards.check_prompts(args.reward, train_prompts)
         rewards.check_prompts(args.eval_reward or args.reward, test_prompts)
@@ -541,19 +655,19 @@ if __name__ == "__main__":
             eval_reward_fn = rewards.build_reward(args.eval_reward, device=device)
     except ValueError as error:
         fail(str(error))
+    if len(train_prompts) < args.prompts_per_epoch and not args.eval_only:
+        say("fewer than --prompts-per-epoch prompts: they are drawn with replacement")
     # FSDP2's ranks run every forward together.
-    if args.full_finetune and len(test_prompts) % world:
-        fail(f"--full-finetune: {len(test_prompts)} test prompts do not split "
-             f"into {world} GPUs")
+    eval_samples = len(test_prompts) * len(args.eval_seeds)
+    if args.full_finetune and eval_samples % world:
+        fail(f"--full-finetune: {eval_samples} eval samples (test prompts x seeds) do "
+             f"not split into {world} GPUs")
     images_per_epoch = args.prompts_per_epoch * args.group_size
     if images_per_epoch % (world * args.batch_size):
         fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split "
              f"into {world} GPUs x --batch-size {args.batch_size}")
     num_batches = images_per_epoch // world // args.batch_size  # per rank
-    run_name = [f"{args.exp_name}__{args.seed}__{int(time.time())}"]
-    if world > 1:
-        dist.broadcast_object_list(run_name, src=0)
-    run_dir = os.path.join(args.output_dir, run_name[0])
+    run_dir = None  # a new run's is made once the model has loaded
     parent = os.path.dirname(os.path.abspath(args.resume or "."))
     if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
         run_dir = os.path.dirname(parent)  # a resumed run goes on in its directory
@@ -569,6 +683,9 @@ if __name__ == "__main__":
     if window_size and not 0 <= low <= high - window_size < high <= args.num_steps:
         fail(f"--sde-window-size {window_size} does not fit --sde-window-range "
              f"{low} {high} (0 <= A <= B - K, B <= --num-steps)")
+    if args.flash_ratio and not (window_size and high < args.num_steps):
+        fail("--flash-ratio needs an SDE window (--sde-window-size) that ends before "
+             "--num-steps")
     num_train_steps = int((args.num_steps - 1) * args.timestep_fraction)
     num_train_steps = window_size or num_train_steps
     if num_train_steps < 1:
@@ -577,12 +694,10 @@ if __name__ == "__main__":
     accum_steps = num_batches // args.updates_per_epoch * num_train_steps
     sigmas = dance_sigmas(args.num_steps, args.shift).to(device)
     eval_sigmas = dance_sigmas(args.eval_num_steps, args.shift).to(device)
-    if rank == 0 and not args.eval_only:
-        devices = "GPU(s)" if device.type == "cuda" else "process(es)"
-        print(f"{world} {devices} x {num_batches} micro-batches x {args.batch_size} = "
-              f"{images_per_epoch} images/epoch ({args.prompts_per_epoch} prompts x "
-              f"{args.group_size}); {args.updates_per_epoch} updates/epoch of "
-              f"{accum_steps} micro-steps each; run dir {run_dir}")
+    if not args.eval_only:
+        say(f"{world} process(es) x {num_batches} micro-batches x {args.batch_size} = "
+            f"{images_per_epoch} images/epoch; {args.updates_per_epoch} updates/epoch "
+            f"of {accum_steps} micro-steps each")
 
     # TRY NOT TO MODIFY: the model: frozen base in bf16/fp16, LoRA (or all) in fp32
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
@@ -623,7 +738,7 @@ if __name__ == "__main__":
         with autocast:
             return predict_velocity(transformer, x, sigma, text, img_ids, args.guidance_scale)
 
-    # TRY NOT TO MODIFY: resume, logging, eval
+    # TRY NOT TO MODIFY: resume, run directory, signals, logging, eval
     start_epoch = 0
     global_step = 0
     if state is not None and args.full_finetune:  # on any GPU count
@@ -636,7 +751,15 @@ if __name__ == "__main__":
     if state is not None:
         start_epoch = state["next_epoch"]
         global_step = state["global_step"]
-    if rank == 0:  # a run that fails earlier leaves no directory behind
+    if rank == 0 and run_dir is None:  # made only now: a failed start leaves none
+        name = f"{args.exp_name}__{args.seed}__{int(time.time())}_"
+        run_dir = tempfile.mkdtemp(prefix=name, dir=args.output_dir)  # its run's alone
+    shared = [run_dir]
+    if world > 1:
+        dist.broadcast_object_list(shared, src=0)
+    run_dir = shared[0]
+    if rank == 0:
+        print(f"run dir {run_dir}")
         prepare_run_dir(run_dir, start_epoch)
     if args.track and rank == 0:
         import wandb
@@ -644,11 +767,24 @@ if __name__ == "__main__":
                    name=os.path.basename(run_dir), config=vars(args), save_code=True,
                    dir=run_dir)
 
+    def stop(reason: str, code: int = 1):
+        """End at once, queued rewards dropped: the run is in its checkpoints."""
+        say(f"{reason}; --resume latest continues from {last_checkpoint(run_dir)}")
+        rewards.cancelled.set()
+        sys.stdout.flush()
+        os._exit(code)
+
+    for number in (signal.SIGTERM, signal.SIGINT):  # preemption, Ctrl-C
+        signal.signal(number, lambda number, _: stop(
+            f"stopped by {signal.Signals(number).name}", 128 + number))
+
     def log(metrics: dict, epoch: int):
         if rank != 0:
             return
+        strict = {name: None if isinstance(value, float) and not math.isfinite(value)
+                  else value for name, value in metrics.items()}  # JSON has no NaN
         with open(os.path.join(run_dir, "metrics.jsonl"), "a") as file:
-            file.write(json.dumps({"epoch": epoch, **metrics}) + "\n")
+            file.write(json.dumps({"epoch": epoch, **strict}) + "\n")
         if args.track:  # the eval sheets as images
             sheets = {name: wandb.Image(os.path.join(run_dir, value))
                       for name, value in metrics.items() if name.endswith("sheet")}
@@ -656,59 +792,63 @@ if __name__ == "__main__":
 
     @torch.no_grad()
     def run_eval(epoch: int, prefix: str = "eval/") -> dict:
-        """Score the EMA's ODE samples of the test prompts: prompt i on rank i % world,
-        from noise seed i (the same on any GPU count)."""
-        by_prompt = {}  # test prompt -> its indices
-        for i, text in enumerate(test_prompts):
-            by_prompt.setdefault(text, []).append(i)
-        cols = math.ceil(math.sqrt(args.eval_sheet_size))  # a row per prompt
-        sheet_ids = [i for ids in by_prompt.values() for i in ids[:cols]]
-        sheet_ids = sheet_ids[: args.eval_sheet_size]
-        scores = []
-        sheet = {}
-        thumbs = {}
-        my_prompts = list(range(rank, len(test_prompts), world))
-        for start in range(0, len(my_prompts), args.eval_batch_size):
-            ids = my_prompts[start : start + args.eval_batch_size]
-            prompts = [test_prompts[i] for i in ids]
+        """Score the EMA's ODE samples (EMA 0: the weights), one per test prompt i and
+        eval seed s, from noise seeded (s, i): the same on any GPU count."""
+        items = [(i, seed) for seed in args.eval_seeds for i in range(len(test_prompts))]
+        by_prompt = {}  # test prompt -> its items
+        for item in items:
+            by_prompt.setdefault(test_prompts[item[0]], []).append(item)
+        # The contact sheet: the first 4 samples of the first 4 test prompts
+        shown = [item for row in list(by_prompt.values())[:4] for item in row[:4]]
+        results = {}  # item -> its scores, 32x32 thumbnail, image if shown
+        mine = items[rank::world]
+        for start in range(0, len(mine), args.eval_batch_size):
+            batch = mine[start : start + args.eval_batch_size]
+            prompts = [test_prompts[i] for i, _ in batch]
             noise = torch.stack([
                 torch.randn(latent_shape, device=device,
-                            generator=seeded_generator(device, args.seed, i))
-                for i in ids])
+                            generator=seeded_generator(device, seed, i))
+                for i, seed in batch])
             text = encode(pipe, prompts, device, args.max_sequence_length)
             with swapped(params, ema_params):  # with EMA 0: the weights
                 final = ode_sample(partial(velocity, text=text), noise, eval_sigmas)
             images = decode(pipe, final, args.resolution)
-            meta = [test_meta[i] for i in ids]
-            batch_scores, info = eval_reward_fn(images.cpu(), prompts, meta)
+            meta = [test_meta[i] for i, _ in batch]
+            try:
+                batch_scores, info = eval_reward_fn(images.cpu(), prompts, meta)
+            except rewards.RewardError as error:
+                stop(f"error: {error} in the eval after {epoch} epochs")
             columns = {"reward_mean": batch_scores, **info}
-            for j in range(len(ids)):
-                scores.append({name: float(values[j]) for name, values in columns.items()})
             pixels = images.permute(0, 2, 3, 1).cpu().numpy() * 255
             pixels = pixels.round().astype(np.uint8)
-            sheet.update({i: image for i, image in zip(ids, pixels) if i in sheet_ids})
             small = torch.nn.functional.interpolate(images, size=32, mode="area")
-            thumbs.update(zip(ids, small.flatten(1).cpu()))
+            for j, item in enumerate(batch):
+                row = {name: float(values[j]) for name, values in columns.items()}
+                image = pixels[j] if item in shown else None
+                results[item] = (row, small[j].flatten().cpu(), image)
         if world > 1:
             gathered = [None] * world
-            dist.all_gather_object(gathered, (scores, sheet, thumbs))
-            scores = [score for part, _, _ in gathered for score in part]
-            sheet = {i: image for _, part, _ in gathered for i, image in part.items()}
-            thumbs = {i: small for _, _, part in gathered for i, small in part.items()}
-        means = {name: float(np.mean([row[name] for row in scores]))
-                 for name in scores[0]}
-        groups = [torch.stack([thumbs[i] for i in ids]) for ids in by_prompt.values()]
+            dist.all_gather_object(gathered, results)
+            results = {item: result for part in gathered for item, result in part.items()}
+        rows = [results[item][0] for item in items]
+        means = {name: float(np.mean([row[name] for row in rows])) for name in rows[0]}
+        values = [row["reward_mean"] for row in rows]
+        means["reward_stderr"] = float(np.std(values, ddof=1) / len(rows) ** 0.5)
+        groups = [torch.stack([results[item][1] for item in row])
+                  for row in by_prompt.values()]
         distances = [torch.pdist(group).mean() / group.shape[1] ** 0.5
                      for group in groups if len(group) > 1]
         if distances:  # RMS pixel distance of two samples of one prompt
             means["diversity"] = float(torch.stack(distances).mean())
-        if rank == 0:  # the contact sheet: black cells end the last row
-            cells = [sheet[i] for i in sheet_ids]
-            cells += [np.zeros_like(cells[0])] * (-len(cells) % cols)
-            rows = [np.concatenate(cells[i : i + cols], axis=1)
-                    for i in range(0, len(cells), cols)]
+        if rank == 0:  # a row per test prompt, labelled with its mean reward
+            labelled = []
+            for text, row in by_prompt.items():
+                reward = np.mean([results[item][0]["reward_mean"] for item in row])
+                images = [results[item][2] for item in row if item in shown]
+                if images:
+                    labelled.append((f"{reward:.3f}  {text}", images))
             path = os.path.join(run_dir, f"eval_{epoch:05d}.png")
-            Image.fromarray(np.concatenate(rows, axis=0)).save(path)
+            contact_sheet(labelled).save(path)
             name = args.eval_reward or args.reward
             print(f"eval after {epoch} epochs: {name} = {means['reward_mean']:.4f}")
             means["sheet"] = os.path.basename(path)  # in the run directory
@@ -732,6 +872,8 @@ if __name__ == "__main__":
                                    generator=prompt_gen)
         epoch_prompts = [train_prompts[i] for i in chosen]  # group g's is row g
         epoch_meta = [train_meta[i] for i in chosen]
+        epoch_text = encode(pipe, epoch_prompts, device, args.max_sequence_length)
+        sampling_start = clock(device)
 
         # ALGO LOGIC: sampling. The epoch's images, shuffled alike on every rank: each
         # rank samples its share, and a group (a prompt's images) spans ranks.
@@ -740,17 +882,11 @@ if __name__ == "__main__":
         group_ids = group_ids[torch.randperm(images_per_epoch, generator=prompt_gen)]
         my_groups = group_ids.view(world, num_batches, args.batch_size)[rank]
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
-        # This rank's prompts, each encoded once
-        my_group_ids = my_groups.unique()
-        my_prompts = [epoch_prompts[group] for group in my_group_ids]
-        my_text = encode(pipe, my_prompts, device, args.max_sequence_length)
-        sampling_start = clock(device)
         batches = []  # (Text, Rollout) of each micro-batch
         futures = []  # their rewards
         for groups in tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet,
                            leave=False):
-            text_rows = torch.searchsorted(my_group_ids, groups).to(device)
-            text = my_text.rows(text_rows)
+            text = Text(epoch_text.embeds[groups], epoch_text.pooled[groups])
             if args.init_same_noise:
                 noise = torch.stack([
                     torch.randn(latent_shape, device=device, generator=seeded_generator(
@@ -759,10 +895,17 @@ if __name__ == "__main__":
             else:
                 noise = torch.randn((args.batch_size, *latent_shape),
                                     generator=noise_gen, device=device)
+            # MixGRPO's sliding window shrinks at B, then is empty for a shift
             window = sde_window(window_size, window_range, args.num_steps, noise_gen,
-                                epoch, args.window_shift_every)
-            out = rollout(partial(velocity, text=text), noise, sigmas, window,
-                          args.noise_level, noise_gen)
+                                epoch, args.window_shift_every, args.window_stride,
+                                args.window_roll_back, shrink=True)
+            grid = sigmas
+            dpm_from = None
+            if args.flash_ratio:  # MixGRPO-Flash: a coarser grid after the window
+                grid = flash_sigmas(sigmas, window[1], args.flash_ratio, args.shift)
+                dpm_from = window[1]
+            out = rollout(partial(velocity, text=text), noise, grid, window,
+                          args.noise_level, noise_gen, dpm_from)
             images = decode(pipe, out.sample, args.resolution).cpu()
             prompts = [epoch_prompts[group] for group in groups]
             meta = [epoch_meta[group] for group in groups]
@@ -771,7 +914,10 @@ if __name__ == "__main__":
 
         # TRY NOT TO MODIFY: all ranks' rewards, in rank order, and the advantages
         reward_start = clock(device)
-        scores, infos = zip(*[future.result() for future in futures])
+        try:
+            scores, infos = zip(*[future.result() for future in futures])
+        except rewards.RewardError as error:
+            stop(f"error: {error} at epoch {epoch}")
         info = {name: torch.cat([part[name] for part in infos]) for name in infos[0]}
         all_rewards = torch.cat(scores).float().to(device)
         all_rewards = all_gather_cat(all_rewards, world).cpu()  # (P*G,)
@@ -792,7 +938,10 @@ if __name__ == "__main__":
         training_start = clock(device)
 
         # ALGO LOGIC: training. A micro-step re-scores a stored step of each sample
-        # and backpropagates grpo_loss.
+        # and backpropagates grpo_loss. K steps a sample: the window's (its length
+        # varies under MixGRPO, as upstream's loss scale), else random ones.
+        k = window[1] - window[0] if window_size else num_train_steps
+        accum_steps = num_batches // args.updates_per_epoch * k
         my_advantages = advantages.to(device)
         my_advantages = my_advantages.view(world, num_batches, args.batch_size)[rank]
         step_gen = seeded_generator(torch.device("cpu"), args.seed, epoch, rank, STEP_STREAM)
@@ -803,33 +952,35 @@ if __name__ == "__main__":
         progress = tqdm(batches, f"epoch {epoch} training", disable=quiet, leave=False)
         for (text, out), batch_advantages in zip(progress, my_advantages):
             # (B, K): the window's steps, else random ones per sample.
-            steps = torch.arange(window_size).expand(args.batch_size, -1)
+            steps = torch.arange(k).expand(args.batch_size, -1)
             if window_size == 0:
                 steps = select_train_steps(args.batch_size, args.num_steps,
                                            args.timestep_fraction, step_gen)
             steps = steps.to(device)
-            for j in range(num_train_steps):
+            for j in range(k):
                 step = steps[:, j]  # (B,): a step per sample
                 sigma = sigmas[out.start:][step]
                 sigma_next = sigmas[out.start:][step + 1]
                 x = out.latents[rows, step]
                 x_next = out.latents[rows, step + 1]  # the rollout's draw
                 v = velocity(x, sigma, text)
-                _, log_prob, _, _ = sde_step(v, x, sigma, sigma_next, "dance",
-                                             args.noise_level, prev_sample=x_next)
+                _, log_prob, mean, std = sde_step(v, x, sigma, sigma_next, "dance",
+                                                  args.noise_level, prev_sample=x_next)
                 loss, ratio, step_stats = grpo_loss(
                     log_prob=log_prob, old_log_prob=out.log_probs[rows, step],
-                    advantages=batch_advantages, clip_range=args.clip_range,
-                    adv_clip=args.adv_clip, accum_steps=accum_steps)
+                    advantages=batch_advantages, mean=mean,
+                    old_mean=out.means[rows, step], std=std,
+                    trust_region=args.trust_region, clip_range=args.clip_range,
+                    dppo_threshold=args.dppo_threshold, adv_clip=args.adv_clip,
+                    accum_steps=accum_steps)
                 scaler.scale(loss).backward()
                 for name, value in step_stats.items():
                     stats[name].append(value)
                 if micro_step == 0:  # it runs the rollout's weights: the ratio is 1
                     on_policy_dev = (ratio - 1).abs().max().item()
-                    if on_policy_dev > args.clip_range / 10 and rank == 0:
-                        print(f"WARNING: on-policy max |ratio - 1| = "
-                              f"{on_policy_dev:.2e} > clip-range / 10: the rollout "
-                              "and training forwards differ")
+                    if on_policy_dev > args.clip_range / 10:  # they should be equal
+                        say(f"WARNING: the rollout's and training's forwards differ: "
+                            f"on-policy |ratio - 1| = {on_policy_dev:.2e}")
                 micro_step += 1
                 if micro_step % accum_steps == 0:
                     grad_norm = optimizer_step(
@@ -842,15 +993,19 @@ if __name__ == "__main__":
                         ema.mul_(decay).add_(p.detach(), alpha=1 - decay)
 
         # ALGO LOGIC: this algorithm's metrics and its part of the summary line
-        losses = {f"losses/{name}": float(np.mean(values))
-                  for name, values in stats.items()}
-        metrics.update(rank_mean(losses, world, device))
-        metrics["losses/on_policy_ratio_dev"] = on_policy_dev
-        summary = (f"policy {metrics['losses/policy_loss']:.3e} "
-                   f"| ratio dev {on_policy_dev:.1e} "
-                   f"| clipfrac {metrics['losses/clipfrac']:.3f}")
+        summary = "empty SDE window (MixGRPO's start = B): no update"
+        if k == 0:  # where upstream crashes
+            grad_norm = float("nan")
+        else:
+            losses = {f"losses/{name}": float(np.mean(values))
+                      for name, values in stats.items()}
+            metrics.update(rank_mean(losses, world, device))
+            metrics["losses/on_policy_ratio_dev"] = on_policy_dev
+            summary = (f"policy {metrics['losses/policy_loss']:.3e} "
+                       f"| ratio dev {on_policy_dev:.1e} "
+                       f"| clipfrac {metrics['losses/clipfrac']:.3f}")
 
-        # TRY NOT TO MODIFY: shared metrics, final eval, the summary line, checkpoints
+        # TRY NOT TO MODIFY: shared metrics, the line, checkpoint, final eval
         epoch_end = clock(device)
         epoch_seconds = epoch_end - epoch_start
         compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -883,17 +1038,26 @@ if __name__ == "__main__":
                     f"{metrics['perf/images_per_sec']:.2f} img/s | "
                     f"{epoch_seconds:.0f}s")
             if "eval/reward_mean" in metrics:
-                line += f" | eval {metrics['eval/reward_mean']:.4f}"
-            print(line)
-        if epoch + 1 == args.epochs:  # logged with the last epoch, printed after it
-            metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
-        log(metrics, epoch)
-        if (epoch + 1) % args.save_every == 0 or epoch + 1 == args.epochs:
-            path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
-            save_checkpoint(path, transformer, params, ema_params, optimizer,
-                            epoch + 1, global_step, args, rank)
+                line += (f" | eval {metrics['eval/reward_mean']:.4f} ± "
+                         f"{metrics['eval/reward_stderr']:.4f}")
+            print(line + " (nan: a reward gave no number)" * ("nan" in line))
+        # A LoRA's is saved each epoch: a preemption loses at most the epoch under way.
+        # A full fine-tune's (tens of GB) only every --save-every epochs, and the last.
+        saving = not args.full_finetune or (epoch + 1) % args.save_every == 0
+        path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
+        try:
+            if saving or epoch + 1 == args.epochs:
+                save_checkpoint(path, transformer, params, ema_params, optimizer,
+                                epoch + 1, global_step, args, rank)
+                if rank == 0:
+                    prune_checkpoints(run_dir, path, args.save_every)
             if world > 1:
                 dist.barrier()
+            if epoch + 1 == args.epochs:  # logged with the last epoch
+                metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
+            log(metrics, epoch)
+        except (OSError, SafetensorError) as error:
+            stop(f"error: {error} (saving epoch {epoch + 1})")
     executor.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
