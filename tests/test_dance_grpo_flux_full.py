@@ -1,8 +1,12 @@
 """dance_grpo_flux.py --full-finetune: FSDP2-sharded full fine-tuning on the tiny FLUX pipeline
 (1 and 2 processes, gloo on CPU), its torch.distributed.checkpoint resume, the diffusers-format
-export and the bad-input checks."""
+export, its checkpoints' checks, preemption and the bad-input checks."""
 
+import hashlib
 import math
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -10,12 +14,15 @@ import torch
 import tyro
 from PIL import Image
 
+import dance_grpo_flux
 import rewards
-from dance_grpo_flux import (Args, dance_sigmas, decode, encode, image_ids, ode_sample,
-                             predict_velocity, seeded_generator)
-from scripts_harness import (PROMPTS, TOY_REWARD, assert_bad_input, assert_eval_only_reproduces,
-                             cut_back_copy, read_metrics, run_script)
+from dance_grpo_flux import (Args, contact_sheet, dance_sigmas, decode, encode, image_ids,
+                             ode_sample, predict_velocity, seeded_generator)
+from scripts_harness import (PROMPTS, REPO, TOY_REWARD, assert_bad_input,
+                             assert_eval_only_reproduces, cut_back_copy, read_metrics, run_script,
+                             script_env)
 from test_dance_grpo_flux import SCRIPT, tiny_flux_flags
+from test_faults import FAULTY_REWARD
 
 # weight decay 0: every change of a weight comes from its gradient; lr and clip large enough
 # to move the tiny model
@@ -35,7 +42,8 @@ def exported(checkpoint, name="transformer") -> dict:
 
 def eval_in_this_process(tiny_flux, run_flags, export_dir):
     """The script's eval on one process (its seeds, batches, autocast, ODE sampler and decode)
-    of FluxPipeline.from_pretrained(tiny, transformer=export): (mean reward, contact sheet)."""
+    of FluxPipeline.from_pretrained(tiny, transformer=export): (mean reward, contact sheet: a
+    labelled row per prompt)."""
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
     args = tyro.cli(Args, args=run_flags)
@@ -51,14 +59,14 @@ def eval_in_this_process(tiny_flux, run_flags, export_dir):
     shape = (grid**2, pipe.transformer.config.in_channels)
     sigmas = dance_sigmas(args.eval_num_steps, args.shift)
     prompts = [p.strip() for p in open(PROMPTS).read().split("\n") if p.strip()]
-    # 4 distinct prompts, 16 cells: the sheet is one row of their images, in order
-    assert len(set(prompts)) == len(prompts) == 4 and args.eval_sheet_size == 16
+    # 4 distinct prompts, one eval seed (42, as the run's --seed 42 drew before eval seeds)
+    assert len(set(prompts)) == len(prompts) == 4 and args.eval_seeds == (42,)
     reward_fn = rewards.build_reward(TOY_REWARD)
     scores = []
     cells = []
     for start in range(0, len(prompts), args.eval_batch_size):
         ids = range(start, min(start + args.eval_batch_size, len(prompts)))
-        noise = torch.stack([torch.randn(shape, generator=seeded_generator(cpu, args.seed, i))
+        noise = torch.stack([torch.randn(shape, generator=seeded_generator(cpu, 42, i))
                              for i in ids])
         text = encode(pipe, [prompts[i] for i in ids], cpu, args.max_sequence_length)
 
@@ -70,7 +78,9 @@ def eval_in_this_process(tiny_flux, run_flags, export_dir):
         images = decode(pipe, ode_sample(velocity, noise, sigmas), args.resolution)
         scores += reward_fn(images, [prompts[i] for i in ids], [{}] * len(ids))[0].tolist()
         cells += list((images.permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8))
-    return float(np.mean(scores)), np.concatenate(cells, axis=1)
+    rows = [(f"{score:.3f}  {prompt}", [cell]) for score, prompt, cell in zip(scores, prompts,
+                                                                             cells)]
+    return float(np.mean(scores)), np.asarray(contact_sheet(rows))
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +141,11 @@ def test_one_process_full_finetune(full_run, base_weights, tiny_flux):
     state = torch.load(ckpt / "state.pt")
     assert state["kind"] == "full_finetune" and state["next_epoch"] == 2
     assert (ckpt / "dcp" / ".metadata").is_file() and not (ckpt / "lora").exists()
+    # checked on resume: state.pt by its checksum, the shards by the sizes state.pt lists
+    digest = hashlib.sha256((ckpt / "state.pt").read_bytes()).hexdigest()
+    assert (ckpt / "state.pt.sha256").read_text() == digest
+    assert state["shards"] == {path.name: path.stat().st_size for path in (ckpt / "dcp").iterdir()}
+    assert sorted(state["shards"]) == [".metadata", "__0_0.distcp"]
     assert not (run_dir / "checkpoints" / "epoch_00001" / "transformer").exists()
     trained = exported(ckpt)
     assert trained.keys() == base_weights.keys()
@@ -145,11 +160,14 @@ def test_one_process_full_finetune(full_run, base_weights, tiny_flux):
     assert np.array_equal(sheet, np.asarray(Image.open(run_dir / "eval_00002.png")))
 
 
-def test_resume_of_sharded_state_matches_uninterrupted_run(tiny_flux, tmp_path, full_run):
+def test_resume_latest_of_sharded_state_matches_uninterrupted_run(tiny_flux, tmp_path, full_run):
     run_dir, _ = full_run
     first = cut_back_copy(run_dir, tmp_path / "a")  # as if it had stopped after epoch 1
-    resume = ["--epochs", "2", "--resume", str(first / "checkpoints" / "epoch_00001")]
-    resumed = run_script(SCRIPT, flags(tiny_flux, tmp_path / "a") + resume)
+    resume = ["--epochs", "2", "--resume", "latest"]
+    process = run_script(SCRIPT, flags(tiny_flux, tmp_path / "a") + resume, check=False)
+    assert process.returncode == 0, process.stderr[-6000:]
+    assert f"resuming from {first}/checkpoints/epoch_00001" in process.stdout
+    (resumed,) = (tmp_path / "a").iterdir()
     assert resumed == first  # the resumed run continues in its own run dir
     assert [m["epoch"] for m in read_metrics(resumed)] == [0, 1]
     want = exported(run_dir / "checkpoints" / "epoch_00002")
@@ -157,10 +175,11 @@ def test_resume_of_sharded_state_matches_uninterrupted_run(tiny_flux, tmp_path, 
     assert all(torch.allclose(want[n], got[n], atol=1e-6, rtol=0) for n in want)
 
 
-def test_eval_only_of_a_sharded_checkpoint(tiny_flux, tmp_path, full_run):
+def test_eval_only_of_a_sharded_checkpoint(tmp_path, full_run):
+    """Only the checkpoint: --full-finetune and every other flag come from its state."""
     run_dir, _ = full_run
     ckpt = run_dir / "checkpoints" / "epoch_00002"
-    eval_flags = flags(tiny_flux, tmp_path) + ["--eval-only", "--resume", str(ckpt)]
+    eval_flags = ["--eval-only", "--resume", str(ckpt), "--output-dir", str(tmp_path)]
     assert_eval_only_reproduces(run_script(SCRIPT, eval_flags), run_dir)
 
 
@@ -200,4 +219,44 @@ def test_full_finetune_bad_input(tiny_flux, tmp_path, full_run):
     lora_checkpoint = tmp_path / "lora_ckpt"
     lora_checkpoint.mkdir()
     torch.save({}, lora_checkpoint / "state.pt")
+    digest = hashlib.sha256((lora_checkpoint / "state.pt").read_bytes()).hexdigest()
+    (lora_checkpoint / "state.pt.sha256").write_text(digest)
     assert_bad_input(SCRIPT, base + ["--resume", str(lora_checkpoint)], mismatch)
+
+
+def test_resume_latest_skips_a_checkpoint_with_a_cut_shard(tiny_flux, tmp_path, full_run, capsys):
+    """A shard cut short (a full disk, a copy that stopped) does not match the sizes state.pt
+    lists: --resume latest skips the checkpoint with one line, --resume of it refuses."""
+    copy = tmp_path / "out" / full_run[0].name
+    shutil.copytree(full_run[0], copy)
+    newest = copy / "checkpoints" / "epoch_00002"
+    shard = newest / "dcp" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-8])
+    args = Args(model=tiny_flux, output_dir=str(tmp_path / "out"), resume="latest", epochs=3,
+                full_finetune=True)
+    state = dance_grpo_flux.check_args(args)
+    assert args.resume == str(copy / "checkpoints" / "epoch_00001") and state["next_epoch"] == 1
+    said = capsys.readouterr().out
+    assert f"skipping {newest}: corrupt: its dcp/ files are not those state.pt lists" in said
+    resume = ["--epochs", "3", "--resume", str(newest)]
+    assert_bad_input(SCRIPT, flags(tiny_flux, tmp_path / "x") + resume, "corrupt: its dcp/")
+
+
+def test_preemption_of_a_full_finetune_loses_up_to_save_every_epochs(tiny_flux, tmp_path):
+    """SIGTERM at epoch 1's first reward (the reward's 3rd call) with --save-every 2: a full
+    fine-tune saves only every --save-every epochs (a LoRA run would have saved epoch 1), so
+    the one line says there is nothing to continue from yet."""
+    reward = tmp_path / "faulty_reward.py"
+    reward.write_text(FAULTY_REWARD)
+    run_flags = flags(tiny_flux, tmp_path / "out") + [
+        "--epochs", "2", "--save-every", "2", "--reward", f"{reward}:brightness",
+        "--eval-reward", TOY_REWARD]
+    process = subprocess.run([sys.executable, SCRIPT] + run_flags, cwd=REPO,
+                             env={**script_env(), "FAULT_AT": "3", "FAULT_DO": "sigterm"},
+                             capture_output=True, text=True, timeout=600)
+    assert process.returncode == 128 + 15, process.stderr[-3000:]
+    last = process.stdout.strip().splitlines()[-1]
+    assert last == "stopped by SIGTERM; --resume latest continues from none saved yet"
+    (run_dir,) = (tmp_path / "out").iterdir()
+    assert [m["epoch"] for m in read_metrics(run_dir)] == [0]  # epoch 0 was logged
+    assert not (run_dir / "checkpoints").exists()
