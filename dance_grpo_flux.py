@@ -16,8 +16,8 @@ Provenance: XueZeyue/DanceGRPO@15cc71d, fastvideo/train_grpo_flux.py unless name
     LORA_TARGETS, the init   train_grpo_flux_lora.py
     shard_for_full_finetune  fastvideo/utils/fsdp_util.py (FSDP1 there)
     the EMA warm-up          yifan123/flow_grpo, flow_grpo/ema.py
-    dppo_keep                Flow-DPPO, Tencent-Hunyuan/UniRL@1a7b501 (sde.py)
-    sde_window, dpm_step     MixGRPO(-Flash), Tencent-Hunyuan/MixGRPO@e5cdd6a (sde.py)
+    dppo_keep                Flow-DPPO: Tencent-Hunyuan/UniRL@1a7b501
+    sde_window, dpm_step     MixGRPO(-Flash): Tencent-Hunyuan/MixGRPO@e5cdd6a
 """
 
 import glob
@@ -148,9 +148,9 @@ class Args:
     window_shift_every: int | None = None
     """N: the window slides every N epochs (MixGRPO; None: random)"""
     window_stride: int = 1
-    """steps it slides by (MixGRPO's --prog_overlap_step; 0: it stays at A)"""
+    """steps it slides by (MixGRPO's --prog_overlap_step; 0: stays at A)"""
     window_roll_back: bool = True
-    """after its empty window at B, start over at A (MixGRPO's --roll_back)"""
+    """after the empty window at B, back to A (MixGRPO's --roll_back)"""
     flash_ratio: float = 0.0
     """MixGRPO-Flash: DPM-Solver++ after the window (Flash 0.4, Flash* 0.2)"""
     prompts_per_epoch: int = 16
@@ -178,7 +178,7 @@ class Args:
     save_every: int = 50
     """keep every N-th epoch's save (a LoRA's: each; --full-finetune: these)"""
 
-# TRY NOT TO MODIFY: the LoRA's layers (upstream's), what --resume must match, ranges
+# TRY NOT TO MODIFY: upstream's LoRA layers, what --resume must match, ranges
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other values
 RANGES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: x >= 2,
@@ -218,37 +218,34 @@ class Rollout(NamedTuple):
 @torch.no_grad()
 def rollout(velocity, noise, sigmas, window, noise_level, generator,
             dpm_from=None) -> Rollout:
-    """Sample from sigma 1 to 0: the dance SDE at the steps in [window[0], window[1]),
-    Euler at the others, or from step dpm_from on DPM-Solver++(2M). All fp32."""
+    """Sample from sigma 1 to 0: the dance SDE on the steps in [window[0],
+    window[1]), Euler on the others, DPM-Solver++(2M) from dpm_from on. fp32."""
     start, end = window
     x = noise.float()
-    latents = []
-    log_probs = []
-    means = []
+    kept = defaultdict(list)
     x0_hat = None
     for i in range(len(sigmas) - 1):
         if i == start:
-            latents.append(x)
+            kept["latents"].append(x)
         v = velocity(x, sigmas[i])
-        if dpm_from is not None and i >= dpm_from:  # its history: the last x0_hat
+        if dpm_from is not None and i >= dpm_from:  # history: the last x0_hat
             x, x0_hat = dpm_step(v, x, sigmas, i, x0_hat)
             continue
-        # Upstream scores the last step's x0 prediction.
-        x0_hat = x - sigmas[i] * v
+        x0_hat = x - sigmas[i] * v  # upstream scores the last step's
         kind = "dance" if start <= i < end else "ode"
         x, log_prob, mean, _ = sde_step(v, x, sigmas[i], sigmas[i + 1], kind,
                                         noise_level, generator=generator)
         if kind == "dance":
-            latents.append(x)
-            log_probs.append(log_prob)
-            means.append(mean)
-    if not log_probs:  # an empty window (MixGRPO's last): nothing to train
+            kept["latents"].append(x)
+            kept["log_probs"].append(log_prob)
+            kept["means"].append(mean)
+    if start == end:  # MixGRPO's empty window: nothing to train
         return Rollout(start, None, None, None, x0_hat)
-    kept = [torch.stack(values, 1) for values in (latents, log_probs, means)]
-    return Rollout(start, *kept, x0_hat)
+    names = ["latents", "log_probs", "means"]
+    return Rollout(start, *[torch.stack(kept[name], 1) for name in names], x0_hat)
 
 def select_train_steps(batch: int, num_steps: int, fraction: float, generator):
-    """(batch, K): each sample's own K = int((num_steps - 1) * fraction) random
+    """(batch, K): each sample's own K = int((num_steps - 1) fraction) random
     steps, never the last (as upstream)."""
     candidates = num_steps - 1
     order = torch.rand(batch, candidates, generator=generator).argsort(dim=1)
@@ -257,9 +254,9 @@ def select_train_steps(batch: int, num_steps: int, fraction: float, generator):
 def grpo_loss(*, log_prob, old_log_prob, advantages, mean, old_mean, std,
               trust_region, clip_range, dppo_threshold, adv_clip, accum_steps):
     """A sampling step's loss: (loss to backward, ratio, {statistic: float}).
-    (B,): log_prob, old_log_prob (the policy's, the rollout's), advantages A. clip:
+    (B,): log_prob, old_log_prob (now, at the rollout), advantages A. clip:
     PPO's max(-A ratio, -A clip(ratio, 1 +- clip_range)), A clipped to +-adv_clip;
-    dppo: -A ratio where dppo_keep, by the KL of N(mean, std) to N(old_mean, std)."""
+    dppo: -A ratio where dppo_keep, by the KL to the rollout's step (old_mean)."""
     stats = {}
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
@@ -340,7 +337,8 @@ def check_args(args) -> dict | None:
         tempfile.TemporaryFile(dir=args.output_dir).close()
     except OSError as error:
         fail(f"--output-dir {args.output_dir!r}: {error.strerror}")
-    lora_flags = (args.lora_rank, args.lora_alpha) != (Args.lora_rank, Args.lora_alpha)
+    defaults = (Args.lora_rank, Args.lora_alpha)
+    lora_flags = (args.lora_rank, args.lora_alpha) != defaults
     if args.full_finetune and (lora_flags or args.mixed_precision == "fp16"):
         fail("--full-finetune: no LoRA-only --lora-rank/--lora-alpha, no fp16")
     try:  # the config files give the resolution's factor before the weights load
@@ -387,9 +385,9 @@ def load_state(save: str) -> dict | str:
     return torch.load(io.BytesIO(data), map_location="cpu")
 
 def load_checked(save: str) -> dict | str:
-    """load_state; a full fine-tune's dcp/ files must also have the sizes its state.pt
-    lists: a shard missing or cut short is found, flipped bytes in one are not (hashing
-    tens of GB on rank 0 takes minutes)."""
+    """load_state, and a full fine-tune's dcp/ files of the sizes state.pt lists. A
+    shard missing or cut short is found; flipped bytes in one are not (no hash of tens
+    of GB on rank 0)."""
     state = load_state(save)
     if isinstance(state, dict) and "shards" in state:
         if file_sizes(os.path.join(save, "dcp")) != state["shards"]:
@@ -529,9 +527,8 @@ def save_checkpoint(path, transformer, params, ema_params, optimizer, next_epoch
                 with open(f"{tmp}/{name}/config.json", "w") as file:
                     json.dump(config, file, indent=2)
         state["kind"] = "full_finetune"
-        state["shards"] = file_sizes(f"{tmp}/dcp")  # all written: dcp's save gathers
+        state["shards"] = file_sizes(f"{tmp}/dcp")  # all written, by every rank
     elif rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
         config = transformer.peft_config["default"].to_dict()
         for name, copies in [("lora", []), ("ema_lora", ema_params)]:
             with swapped(params, copies):
@@ -635,7 +632,7 @@ if __name__ == "__main__":
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        # cuDNN attention's backward crashed or gave NaN on FLUX (torch 2.11, H100).
+        # cuDNN attention's backward crashed or gave NaN (FLUX, torch 2.11, H100)
         torch.backends.cuda.enable_cudnn_sdp(False)
     if "RANK" in os.environ:  # set by torchrun
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -660,8 +657,8 @@ if __name__ == "__main__":
     # FSDP2's ranks run every forward together.
     eval_samples = len(test_prompts) * len(args.eval_seeds)
     if args.full_finetune and eval_samples % world:
-        fail(f"--full-finetune: {eval_samples} eval samples (test prompts x seeds) do "
-             f"not split into {world} GPUs")
+        fail(f"--full-finetune: {eval_samples} test prompts x eval seeds do not "
+             f"split into {world} GPUs")
     images_per_epoch = args.prompts_per_epoch * args.group_size
     if images_per_epoch % (world * args.batch_size):
         fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split "
@@ -684,8 +681,7 @@ if __name__ == "__main__":
         fail(f"--sde-window-size {window_size} does not fit --sde-window-range "
              f"{low} {high} (0 <= A <= B - K, B <= --num-steps)")
     if args.flash_ratio and not (window_size and high < args.num_steps):
-        fail("--flash-ratio needs an SDE window (--sde-window-size) that ends before "
-             "--num-steps")
+        fail("--flash-ratio needs an SDE window that ends before --num-steps")
     num_train_steps = int((args.num_steps - 1) * args.timestep_fraction)
     num_train_steps = window_size or num_train_steps
     if num_train_steps < 1:
@@ -722,10 +718,12 @@ if __name__ == "__main__":
         transformer.enable_gradient_checkpointing()
     if args.compile:  # regional: each block on its own
         torch._dynamo.config.recompile_limit = 64
-        for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
+        for block in [*transformer.transformer_blocks,
+                      *transformer.single_transformer_blocks]:
             block.compile(dynamic=False)
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.mixed_precision == "fp16")
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate,
+                                  weight_decay=args.weight_decay)
+    scaler = torch.amp.GradScaler(enabled=args.mixed_precision == "fp16")
     ema_params = [p.detach().clone() for p in params]
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     # FLUX packs 2x2 latent pixels into a token of 4x the channels.
@@ -736,7 +734,8 @@ if __name__ == "__main__":
     def velocity(x, sigma, text: Text):
         """The transformer's velocity at (x, sigma) for `text`."""
         with autocast:
-            return predict_velocity(transformer, x, sigma, text, img_ids, args.guidance_scale)
+            return predict_velocity(transformer, x, sigma, text, img_ids,
+                                    args.guidance_scale)
 
     # TRY NOT TO MODIFY: resume, run directory, signals, logging, eval
     start_epoch = 0
@@ -895,7 +894,7 @@ if __name__ == "__main__":
             else:
                 noise = torch.randn((args.batch_size, *latent_shape),
                                     generator=noise_gen, device=device)
-            # MixGRPO's sliding window shrinks at B, then is empty for a shift
+            # shrink: MixGRPO's sliding window shrinks at B, then is empty
             window = sde_window(window_size, window_range, args.num_steps, noise_gen,
                                 epoch, args.window_shift_every, args.window_stride,
                                 args.window_roll_back, shrink=True)
@@ -938,13 +937,13 @@ if __name__ == "__main__":
         training_start = clock(device)
 
         # ALGO LOGIC: training. A micro-step re-scores a stored step of each sample
-        # and backpropagates grpo_loss. K steps a sample: the window's (its length
-        # varies under MixGRPO, as upstream's loss scale), else random ones.
+        # and backpropagates grpo_loss. MixGRPO's loss scale follows its window.
         k = window[1] - window[0] if window_size else num_train_steps
         accum_steps = num_batches // args.updates_per_epoch * k
         my_advantages = advantages.to(device)
         my_advantages = my_advantages.view(world, num_batches, args.batch_size)[rank]
-        step_gen = seeded_generator(torch.device("cpu"), args.seed, epoch, rank, STEP_STREAM)
+        step_gen = seeded_generator(torch.device("cpu"), args.seed, epoch, rank,
+                                    STEP_STREAM)
         stats = defaultdict(list)  # a value per micro-step
         on_policy_dev = float("nan")
         micro_step = 0
@@ -983,9 +982,10 @@ if __name__ == "__main__":
                             f"on-policy |ratio - 1| = {on_policy_dev:.2e}")
                 micro_step += 1
                 if micro_step % accum_steps == 0:
+                    where = f"epoch {epoch}, step {global_step}"
                     grad_norm = optimizer_step(
                         optimizer, scaler, params, args.max_grad_norm, world, loss,
-                        f"epoch {epoch}, step {global_step}", run_dir, args.full_finetune)
+                        where, run_dir, args.full_finetune)
                     global_step += 1
                     # A warm-up: the early EMA follows the weights.
                     decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))
@@ -1041,8 +1041,8 @@ if __name__ == "__main__":
                 line += (f" | eval {metrics['eval/reward_mean']:.4f} ± "
                          f"{metrics['eval/reward_stderr']:.4f}")
             print(line + " (nan: a reward gave no number)" * ("nan" in line))
-        # A LoRA's is saved each epoch: a preemption loses at most the epoch under way.
-        # A full fine-tune's (tens of GB) only every --save-every epochs, and the last.
+        # A LoRA's each epoch (preemption loses one at most), a full
+        # fine-tune's (tens of GB) every --save-every epochs and the last
         saving = not args.full_finetune or (epoch + 1) % args.save_every == 0
         path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
         try:

@@ -365,7 +365,7 @@ def test_window_run_trains_only_the_window(tiny_flux, tmp_path, nproc):
     (["--group-size", "1", "--batch-size", "1"], "--group-size must be >= 2"),
     (["--timestep-fraction", "0.1"], "trains no step"),
     (["--resume", "/tmp"], "not a checkpoint directory"),
-    (["--flash-ratio", "0.4"], "--flash-ratio needs an SDE window"),
+    (["--flash-ratio", "0.4"], "--flash-ratio needs an SDE window that ends before"),
     (["--flash-ratio", "0.4", "--sde-window-size", "1", "--sde-window-range", "0", "4"],
      "ends before --num-steps"),
 ])
