@@ -240,6 +240,9 @@ def test_resume_latest_skips_a_checkpoint_with_a_cut_shard(tiny_flux, tmp_path, 
     assert f"skipping {newest}: corrupt: its dcp/ files are not those state.pt lists" in said
     resume = ["--epochs", "3", "--resume", str(newest)]
     assert_bad_input(SCRIPT, flags(tiny_flux, tmp_path / "x") + resume, "corrupt: its dcp/")
+    (copy / "checkpoints" / "epoch_00001" / "state.pt.sha256").unlink()  # none good: start anew
+    args.resume = "latest"
+    assert dance_grpo_flux.check_args(args) is None and args.resume is None
 
 
 def test_preemption_of_a_full_finetune_loses_up_to_save_every_epochs(tiny_flux, tmp_path):
