@@ -28,9 +28,9 @@ re-checking a candidate re-runs only the candidate. A revision is checked out on
 One tree's runs took, on one core of a shared CPU machine (each line prints the seconds of the
 reference and the candidate runs): the 64 tiny* checks (configuration x process count) ~11 min,
 the five demo-short ~3 min, the five demos ~17 min; up to 3x that while other jobs load the
-machine. Runs use one thread each (OMP_NUM_THREADS=1),
-HF_HUB_OFFLINE=1, WANDB_MODE=disabled, no GPU (CUDA_VISIBLE_DEVICES=""), and
-`torch.distributed.run --standalone` (gloo) for 2 processes.
+machine. Runs use one thread each (OMP_NUM_THREADS=1), HF_HUB_OFFLINE=1, WANDB_MODE=disabled,
+no GPU (CUDA_VISIBLE_DEVICES=""), and `torch.distributed.run --standalone` (gloo) for 2
+processes.
 """
 
 import argparse
