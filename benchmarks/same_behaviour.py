@@ -587,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     options.cache.mkdir(parents=True, exist_ok=True)
     trees = {"reference": resolve_tree(options.reference, options.cache)}
     if not options.reference_only:
-        tree, key = resolve_tree(options.candidate, options.cache)
+        tree, _ = resolve_tree(options.candidate, options.cache)
         trees["candidate"] = tree, f"{tree.name}-{hashlib.sha256(bytes(tree)).hexdigest()[:8]}"
     models = tiny_models(options.cache)
     print(f"reference {trees['reference'][0]} ({trees['reference'][1]}); candidate "
