@@ -94,8 +94,8 @@ def tiny(*extra: str) -> list[str]:
 
 
 def readme_demos() -> dict[str, list[str]]:
-    """{script: flags} of README.md's CPU demo block ("Running a script")."""
-    text = (REPO / "README.md").read_text()
+    """{script: flags} of the five CPU demo lines (docs/toy_world.md, "CPU demo")."""
+    text = (REPO / "docs" / "toy_world.md").read_text()
     block = text.split("CPU demo", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     argvs = [shlex.split(line) for line in re.sub(r"\\\n\s*", " ", block).splitlines()
              if line.strip().startswith("python ")]
