@@ -425,7 +425,7 @@ def test_window_run_resumes_exactly(tiny_sd3, tmp_path, fast_run):
 @pytest.mark.parametrize("flags,message", [
     (["--sde-window-size", "3", "--sde-window-range", "0", "2"], "does not fit"),
     (["--sde-window-size", "2", "--sde-window-range", "3", "5"], "does not fit"),  # B > 4 steps
-    (["--sde-window-size", "-1"], "does not fit"),
+    (["--sde-window-size", "-1"], "--sde-window-size must be >= 0"),
     (["--trust-region", "ratio-norm", "--sde-kind", "cps"], "ratio-norm needs --sde-kind flow"),
     (["--train-prompts", "missing.txt"], "does not exist"),
     (["--reward", "no_such_reward"], "no_such_reward"),
