@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU check of issue 44, one command: installs the wheels in .whl/ (if any; made by
+# benchmarks/gpu_wheels.sh), then runs benchmarks/gpu_check.py with these arguments. Results go
+# to --out: results.json, summary.md, gpu_check.log, logs.tar.gz. benchmarks/GPU_CHECK.md has
+# the device call and the measured or estimated cost of each step.
+#
+#     bash benchmarks/gpu_check.sh --out "$OUT"                 # GPU machine, 540 s budget
+#     bash benchmarks/gpu_check.sh --arch tiny --out /tmp/gc    # CPU, tiny sizes
+#
+# Expected seconds per step (GPU_CHECK.md explains each number). H100 = estimated from the H100
+# micro-benchmarks of RESULTS.md §1 (no GPU was at hand); CPU tiny = measured on the 2-core
+# development VM (torch 2.13, OMP_NUM_THREADS=1, 2026-11-27).
+#
+#   step             need (H100)  expected (H100, estimate)  CPU tiny (measured)
+#   wheels install   -            15                         -
+#   build-sd35       60           60-120                     TINY_BUILD
+#   grpo-compiled    150          180-300                    TINY_GRPO_C
+#   grpo-eager       90           90-130                     TINY_GRPO_E
+#   demos            60           150-300 (15 processes)     TINY_DEMOS
+#   ocr (reserved)   45           30-45                      TINY_OCR
+#   crd-compiled     150          150-250                    TINY_CRD
+#   nft-compiled     150          150-250                    TINY_NFT
+#   build-flux       90           60-150                     TINY_FLUX
+#   dance-compiled   180          200-400                    TINY_DANCE
+set -uo pipefail
+export GPU_CHECK_STARTED="${GPU_CHECK_STARTED:-$(date +%s.%N)}"
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+WHEELS="${GPU_CHECK_WHEELS-.whl}"  # GPU_CHECK_WHEELS= (empty): install none
+if [[ -n "$WHEELS" ]] && compgen -G "$WHEELS/*.whl" > /dev/null; then
+    site="${GPU_CHECK_SITE:-/tmp/flowrl-site}"
+    echo "installing $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS into $site"
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" "$WHEELS"/*.whl \
+        || { echo "gpu_check: the wheel install failed" >&2; exit 1; }
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+"$PYTHON" -c "import diffusers, peft, transformers, tyro" \
+    || { echo "gpu_check: the packages above do not import" >&2; exit 1; }
+exec "$PYTHON" benchmarks/gpu_check.py "$@"
