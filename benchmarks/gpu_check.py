@@ -28,6 +28,7 @@ into the output folder: results.json, summary.md, gpu_check.log (this output) an
 import dataclasses
 import datetime
 import glob
+import importlib.util
 import json
 import os
 import platform
@@ -80,6 +81,8 @@ class Args:
     tiny"""
     demo_jobs: int | None = None
     """demo processes at once; None: all on a GPU, one per core on CPU"""
+    demo_flags: str = ""
+    """more flags for every demo run, last (they win), e.g. --demo-flags=--no-compile"""
     rollout_rate: float | None = None
     """images/s to hold the OCR rate against when grpo-compiled (or eager) measured none"""
 
@@ -108,6 +111,10 @@ class Context:
                         "reward": None}
         self.env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
                         PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        # a cold compile cache per call, as on a fresh machine: warm-up is a first run's
+        self.env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+            self.work, f"inductor-cache-{int(self.started)}"))
+        self.running = []  # processes to kill if this one is stopped
 
     def now(self) -> float:
         return time.time() - self.started
@@ -154,8 +161,10 @@ def start(ctx: Context, command: list[str], log: str, env: dict | None = None):
     shown = [os.path.relpath(part, REPO) if part.startswith(REPO) else part for part in command]
     ctx.say(f"$ {shlex.join(shown)}")
     handle = open(log, "w")
-    return subprocess.Popen(command, cwd=REPO, env=env or ctx.env, stdout=handle,
+    proc = subprocess.Popen(command, cwd=REPO, env=env or ctx.env, stdout=handle,
                             stderr=subprocess.STDOUT, start_new_session=True)
+    ctx.running.append(proc)
+    return proc
 
 
 def wait(ctx: Context, procs: list, deadline: float) -> list:
@@ -220,8 +229,11 @@ def e2e_step(script: str, variant: str):
     family = "flux-dev" if script == "dance" else "sd35m"
 
     def run(ctx: Context, deadline: float) -> dict:
-        if family not in ctx.results["builds"]:
-            return {"status": f"skipped: no {family} pipeline (its build step did not finish)"}
+        if family not in ctx.results["builds"]:  # its build step skipped, failed or not chosen
+            built = build_step(family, script)(ctx, deadline)
+            if built["status"] != "ok":
+                return {"status": f"skipped: no {family} pipeline ({built['status']})",
+                        "log_tail": built.get("log_tail", "")}
         name = f"{script}-{variant}"
         json_path = os.path.join(ctx.work, f"e2e-{name}.json")
         timeout = int(deadline - ctx.now() - E2E_OVERHEAD[ctx.args.arch])
@@ -300,7 +312,7 @@ def demos_step(ctx: Context, deadline: float) -> dict:
     source, flags_of = demo_commands()
     epochs = ctx.args.demo_epochs or (1 if ctx.args.arch == "tiny" else None)
     env = dict(ctx.env, OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1")
-    todo = []
+    todo, planned = [], {}
     for name in ctx.args.demos:
         script = DEMO_SCRIPTS[name]
         for seed in ctx.args.seeds:
@@ -309,7 +321,9 @@ def demos_step(ctx: Context, deadline: float) -> dict:
             flags = [*flags_of[script], "--seed", str(seed), "--output-dir", out]
             if epochs:
                 flags += ["--epochs", str(epochs), "--eval-every", str(epochs)]
+            flags += shlex.split(ctx.args.demo_flags)
             todo.append((name, seed, out, [sys.executable, script, *flags]))
+            planned[name] = int(flag_value(flags, "--epochs"))
     gpu = ctx.args.arch == "full"
     jobs = ctx.args.demo_jobs or (len(todo) if gpu else os.cpu_count() or 1)
     ctx.say(f"demos from {source}: {len(todo)} runs, {jobs} at a time")
@@ -322,15 +336,14 @@ def demos_step(ctx: Context, deadline: float) -> dict:
         time.sleep(0.5)
         for item in [r for r in running if r[-1].poll() is not None]:
             running.remove(item)
-            done.append((*item, None))
+            done.append((*item, None, time.time()))
     for item in running:
         kill_tree(item[-1])
-        done.append((*item, "cut at the deadline"))
+        done.append((*item, "cut at the deadline", time.time()))
     runs = []
-    for name, seed, out, log, started, proc, cut in done:
+    for name, seed, out, log, started, proc, cut, ended in done:
         status = cut or ("ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})")
-        planned = epochs or int(flag_value(flags_of[DEMO_SCRIPTS[name]], "--epochs"))
-        runs.append(demo_result(name, seed, status, out, time.time() - started, planned, log))
+        runs.append(demo_result(name, seed, status, out, ended - started, planned[name], log))
     runs += [{"demo": name, "seed": seed, "status": "not started: no time left"}
              for name, seed, _, _ in todo]
     ctx.results["demos"] = sorted(runs, key=lambda r: (list(DEMO_SCRIPTS).index(r["demo"]),
@@ -353,6 +366,8 @@ def rollout_rate(ctx: Context) -> tuple[float | None, str]:
 
 
 def ocr_step(ctx: Context, deadline: float) -> dict:
+    if importlib.util.find_spec("rapidocr_onnxruntime") is None:  # gpu_wheels.sh --no-ocr
+        return {"status": "skipped: rapidocr-onnxruntime is not installed"}
     rate, source = rollout_rate(ctx)
     json_path = os.path.join(ctx.work, "reward_rate.json")
     command = [sys.executable, os.path.join(BENCH, "reward_rate.py"), "--json", json_path,
@@ -497,14 +512,16 @@ def summary(ctx: Context) -> str:
     return "\n".join(lines) + "\n"
 
 
-def save(ctx: Context):
-    """results.json, summary.md and logs.tar.gz, each written whole (a kill keeps the last)."""
+def save(ctx: Context) -> str:
+    """results.json, summary.md and logs.tar.gz, each written whole (a kill keeps the last);
+    returns the summary."""
     def write(name: str, text: str):
         with open(os.path.join(ctx.out, name + ".tmp"), "w") as f:
             f.write(text)
         os.replace(os.path.join(ctx.out, name + ".tmp"), os.path.join(ctx.out, name))
+    text = summary(ctx)
     write("results.json", json.dumps(ctx.results, indent=1, default=str))
-    write("summary.md", summary(ctx))
+    write("summary.md", text)
     wanted = (glob.glob(os.path.join(ctx.logs, "*.log"))
               + glob.glob(os.path.join(ctx.work, "runs", "*", "log.txt"))
               + glob.glob(os.path.join(ctx.work, "runs", "*", "*", "metrics.jsonl"))
@@ -517,11 +534,30 @@ def save(ctx: Context):
             if os.path.getsize(file) < 2 << 20:  # a 512² eval sheet of noise: left out
                 tar.add(file, arcname=os.path.relpath(file, ctx.work))
     os.replace(path + ".tmp", path)
+    return text
 
 
 def main(args: Args) -> dict:
     ctx = Context(args)
     steps = selected(args)
+
+    def stop(signum, frame):  # killed from outside (a timeout): no orphans on the GPU
+        for proc in ctx.running:
+            if proc.poll() is None:
+                kill_tree(proc)
+        ctx.say(f"stopped by signal {signum}")
+        sys.exit(128 + signum)
+    previous = {signum: signal.signal(signum, stop)
+                for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        return run_steps(ctx, steps)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def run_steps(ctx: Context, steps: list[Step]) -> dict:
+    args = ctx.args
     ctx.results["meta"] = machine(ctx)
     ctx.say(f"GPU check, {args.arch}: {json.dumps(ctx.results['meta'])}")
     ctx.say(f"steps: {', '.join(step.name for step in steps)}; budget {args.budget:.0f} s")
@@ -548,9 +584,8 @@ def main(args: Args) -> dict:
             ctx.say(f"{step.name}: {record['status']} in {record['seconds']:.0f} s")
         ctx.results["steps"].append(record)
         save(ctx)
-    text = summary(ctx)
     ctx.say("done; results in " + ctx.out)
-    print("\n" + text, flush=True)
+    print("\n" + save(ctx), flush=True)
     return ctx.results
 
 
