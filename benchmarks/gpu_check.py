@@ -25,7 +25,6 @@ into the output folder: results.json, summary.md, gpu_check.log (this output) an
 `--arch tiny` runs the same steps on tests/tiny.py-sized pipelines and one-epoch demos (CPU).
 """
 
-import dataclasses
 import datetime
 import glob
 import importlib.util
@@ -506,7 +505,8 @@ def summary(ctx: Context) -> str:
         try:
             sys.path.insert(0, BENCH)
             import reward_rate
-            lines += reward_rate.table(reward["rows"], reward["rollout_rate"])
+            lines += reward_rate.table(reward["rows"], reward["rollout_rate"]) + [""]
+            lines += reward_rate.advice(reward["rows"], reward["rollout_rate"])
         except Exception as error:
             lines.append(f"(reward_rate.py's table unavailable: {error!r}; see results.json)")
     return "\n".join(lines) + "\n"

@@ -208,8 +208,23 @@ def main(args: Args) -> list[dict]:
     print(f"\n{args.resolution}² images, batches of {args.batch_size}, "
           f"{len(os.sched_getaffinity(0))} cores here; keeps up = per-process img/s >= "
           f"rollout {args.rollout_rate or '–'} img/s\n")
-    print("\n".join(table(rows, args.rollout_rate)))
+    print("\n".join(table(rows, args.rollout_rate) + [""] + advice(rows, args.rollout_rate)))
     return rows
+
+
+def advice(rows: list[dict], rollout_rate: float | None) -> list[str]:
+    """The fastest ocr setting for one process and for several at once (ranks of one node)."""
+    lines = []
+    for label, several in (("one process", False), ("processes sharing the CPU", True)):
+        candidates = [row for row in rows if "error" not in row and row["spec"].startswith("ocr")
+                      and (row["procs"] > 1) == several]
+        if candidates:
+            best = max(candidates, key=lambda row: row["images_per_sec_per_proc"])
+            rate = best["images_per_sec_per_proc"]
+            lines.append(f"- fastest for {label}: `{short(best['spec'])}` with {best['procs']} "
+                         f"process(es) on {best['cores']} cores, {rate:.3g} img/s per process; "
+                         f"keeps up with the rollout: {verdict(rate, rollout_rate)}")
+    return lines
 
 
 def short(spec: str) -> str:

@@ -1,5 +1,6 @@
 """benchmarks/: the end-to-end benchmark on tiny pipelines (its report, its FLOP accounting against
-counted transformer calls), and the throughput benchmarks' levers on CPU."""
+counted transformer calls, its timed builds), the throughput benchmarks' levers on CPU, and the
+GPU check (gpu_check.sh) on its CPU path."""
 
 import contextlib
 import importlib
@@ -19,10 +20,13 @@ import torch
 import tyro
 from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
+import rewards
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 import e2e  # noqa: E402
 import gpu_check  # noqa: E402
+import reward_rate  # noqa: E402
 import throughput  # noqa: E402
 import throughput_flux  # noqa: E402
 
@@ -214,6 +218,23 @@ def test_gpu_check_reads_the_five_toy_demos_from_the_docs():
         assert int(gpu_check.flag_value(flags, "--epochs")) >= 16
 
 
+def test_reward_rate_settings_become_ocr_options():
+    setting = reward_rate.parse_setting("procs=8,workers=2,threads=1")
+    assert setting == {"procs": 8, "workers": 2, "threads": 1, "cores": None}
+    assert reward_rate.spec_with("ocr", setting) == "ocr[workers=2;threads=1]"
+    brightness = "tests/toy_rewards.py:brightness"
+    mixed = reward_rate.spec_with(f"ocr[workers=4]=0.5,{brightness}=2",
+                                  reward_rate.parse_setting("threads=2"))
+    assert mixed == f"ocr[workers=4;threads=2]=0.5,{brightness}=2"
+    assert rewards.parse_spec(mixed)[0] == ("ocr", {"workers": "4", "threads": "2"}, 0.5)
+    assert reward_rate.spec_with("jpeg_compressibility", reward_rate.parse_setting("")) == (
+        "jpeg_compressibility")
+    with pytest.raises(ValueError, match="options of the ocr reward"):
+        reward_rate.spec_with("jpeg_compressibility", setting)
+    with pytest.raises(ValueError, match="unknown key 'cpus'"):
+        reward_rate.parse_setting("cpus=2")
+
+
 def test_gpu_check_tiny_path_writes_its_summary_and_results(tmp_path):
     """benchmarks/gpu_check.sh as the GPU session runs it, at tiny sizes on CPU and four of its
     steps: every step ends ok and the result files hold real numbers."""
@@ -249,7 +270,8 @@ def test_gpu_check_tiny_path_writes_its_summary_and_results(tmp_path):
     summary = (out / "summary.md").read_text()
     assert summary in proc.stdout
     for line in ("| grpo | eager | 18 |", "| dance | 42 | ok | 1 / 1 |",
-                 "| ocr[workers=2] | workers=2 |", "| demos | ok |"):
+                 "| ocr[workers=2] | workers=2 |", "| demos | ok |",
+                 "- fastest for one process: `ocr["):
         assert line in summary, line
     with tarfile.open(out / "logs.tar.gz") as tar:
         names = tar.getnames()
