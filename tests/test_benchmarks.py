@@ -12,6 +12,7 @@ import runpy
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -206,6 +207,33 @@ def test_gpu_check_schedule_and_skip_line(tmp_path, monkeypatch):
     assert step["step"] == "build-flux" and step["status"] == "skipped: not enough time"
     assert "| build-flux | skipped: not enough time | – |" in (out / "summary.md").read_text()
     assert json.loads((out / "results.json").read_text())["steps"] == results["steps"]
+
+
+def test_gpu_check_kill_tree_ends_descendants_in_sessions_of_their_own():
+    """A step's process and what it started, also in a new session (e2e.py starts each script
+    so), die together at a deadline: nothing is left on the GPU."""
+    proc = subprocess.Popen(["bash", "-c", "setsid sleep 300 & sleep 300 & wait"],
+                            start_new_session=True)
+
+    def sessions() -> set[int]:
+        return {os.getsid(pid) for pid in gpu_check.descendants(proc.pid)}
+    waited = time.time() + 20
+    while len(sessions()) < 2 and time.time() < waited:  # until setsid has run
+        time.sleep(0.05)
+    children = gpu_check.descendants(proc.pid)
+    assert len(children) == 2 and len(sessions()) == 2  # bash's session and one of its own
+
+    def alive(pid: int) -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return False
+        return state not in ("Z", "X")
+    gpu_check.kill_tree(proc)
+    waited = time.time() + 20
+    while any(alive(pid) for pid in children) and time.time() < waited:
+        time.sleep(0.05)
+    assert proc.returncode == -9 and not any(alive(pid) for pid in children)
 
 
 def test_gpu_check_reads_the_five_toy_demos_from_the_docs():
