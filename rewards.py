@@ -169,14 +169,13 @@ def ocr_score(recognised: str, target: str) -> float:
     return 1.0 - min(levenshtein(recognised, target), len(target)) / len(target)
 
 def ocr(workers: int = 8, threads: int = 0, rec_model: str = "", rec_keys: str = ""):
-    """PP-OCR accuracy on the prompt's quoted text as flow_grpo/ocr.py (README: OCR deviation).
-    `workers` images at once, each model call on `threads` onnxruntime threads (0: its default,
-    one per core); benchmarks/reward_rate.py measures which pair keeps up with a rollout."""
+    """PP-OCR accuracy on the prompt's quoted text as flow_grpo/ocr.py (docs/rewards.md),
+    `workers` images at once, a call on `threads` onnxruntime threads (0: one per core)."""
     files = {"rec_model_path": rec_model, "rec_keys_path": rec_keys}
     files = {option: path for option, path in files.items() if path}
     for path in files.values():
-        if not os.path.isfile(path):
-            raise ValueError(f"ocr reward: no such file {path!r} (rec_model / rec_keys)")
+        if not os.path.isfile(path):  # rec_model, rec_keys
+            raise ValueError(f"ocr reward: no such file {path!r}")
     pool_size = {"intra_op_num_threads": int(threads)} if int(threads) else {}
     engine = require("rapidocr_onnxruntime", "rapidocr-onnxruntime", "ocr").RapidOCR(
         use_cls=False, det_limit_side_len=960, det_limit_type="max", det_box_thresh=0.6,
