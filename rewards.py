@@ -4,8 +4,8 @@
     scores, info = fn(images, prompts, metadata)  # float32 CPU (B,), {component: scores, ...}
 
 `images`: float (B, 3, H, W) in [0, 1] or PIL; `metadata`: a JSONL prompt file's extra fields.
-A spec term is `name[option=value;...]=weight` or `path/to/file.py:function` (same contract).
-File rewards get tensors (also served); `fn.check_prompts` may vet prompts.
+A spec term is `name[option=value;...]=weight` or `path/to/file.py:function` (same contract:
+tensors, also served; a `fn.check_prompts` vets prompts). docs/rewards.md: the whole story.
 """
 
 import base64
