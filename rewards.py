@@ -38,8 +38,7 @@ def to_pil(images) -> list[Image.Image]:
     return [Image.fromarray(array) for array in pixels.permute(0, 2, 3, 1).numpy()]
 
 def encoded(image: Image.Image, file_format: str, **options) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format=file_format, **options)
+    image.save(buffer := io.BytesIO(), format=file_format, **options)
     return buffer.getvalue()
 
 def require(module: str, pip_name: str, reward: str):
