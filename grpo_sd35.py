@@ -3,8 +3,7 @@
 Paper: Flow-GRPO, https://arxiv.org/abs/2505.05470
 Docs: docs/grpo.md (recipes, metrics, the toy-world demo).
 
-The defaults are the paper's OCR run (§B.3, config/grpo.py::general_ocr_sd3), on any
-number of GPUs:
+The defaults are the paper's OCR run (§B.3, config/grpo.py::general_ocr_sd3):
     torchrun --nproc_per_node 8 grpo_sd35.py --train-prompts ocr/train.txt \
         --test-prompts ocr/test.txt
 
@@ -202,7 +201,7 @@ ALGO_LIMITS = {"noise_level": ">= 0", "sde_window_size": ">= 0",
                "clip_range": ">= 0", "dppo_threshold": ">= 0", "ema_interval": ">= 0"}
 
 class Rollout(NamedTuple):
-    """A micro-batch's rollout, kept for training: K steps sampled by the SDE."""
+    """A micro-batch's rollout, kept for training: K steps of the SDE."""
     steps: list  # the K steps
     latents: torch.Tensor  # (B, K, C, h, w): x before each of them
     next_latents: torch.Tensor  # (B, K, C, h, w): the SDE's draw, x after it
@@ -234,12 +233,12 @@ def grpo_loss(*, log_prob, old_log_prob, advantages, mean, old_mean, std, ref_me
               kl_sigma, dppo_std, abs_dt, trust_region, clip_range, dppo_threshold,
               adv_clip, kl_beta, accum_steps):
     """A sampling step's loss: (loss to backward, ratio, {statistic: float}).
-    (B,): log_prob, old_log_prob (the policy's, the rollout's), advantages. The step's
-    Gaussian: mean, old_mean, ref_mean (the base model's; None: no KL), std. Trust
-    regions: clip (PPO) max(-A ratio, -A clip(ratio, 1 +- clip)), A clipped to
-    +-adv_clip; ratio-norm (GRPO-Guard) the same on sde.py's normalised ratio, / abs_dt,
-    its gradient's scale; dppo (Flow-DPPO) -A ratio where dppo_keep, its KL on dppo_std.
-    Plus kl_beta * upstream's KL, mean((mu - mu_ref)^2) / (2 kl_sigma^2) (the exact KL
+    (B,): log_prob, old_log_prob (the policy's, the rollout's), advantages. The
+    step's Gaussian: mean, old_mean, ref_mean (the base model's; None: no KL), std.
+    Trust regions: clip (PPO) max(-A ratio, -A clip(ratio, 1 +- clip)), A clipped to
+    +-adv_clip; ratio-norm (GRPO-Guard) the same on sde.py's normalised ratio, /
+    abs_dt; dppo (Flow-DPPO) -A ratio where dppo_keep, its KL on dppo_std. Plus
+    kl_beta * upstream's KL, mean((mu - mu_ref)^2) / (2 kl_sigma^2) (the exact KL
     sums over elements, / sigma_t^2 |dt|); / accum_steps, as a step sums them."""
     stats = {}
     log_ratio = log_prob - old_log_prob
@@ -348,7 +347,7 @@ def check_args(args) -> dict | None:
         if not wandb.login(prompt=False):
             fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), "
                  "or WANDB_MODE=offline")
-    if state is None:
+    if not args.resume:
         return None
     script = os.path.basename(__file__)
     if state.get("script") != script:  # e.g. a CRD run's, in GRPO
@@ -695,6 +694,7 @@ if __name__ == "__main__":
     if rank == 0 and run_dir is None:  # made only now: a failed start leaves none
         name = f"{args.exp_name}__{args.seed}__{int(time.time())}_"
         run_dir = tempfile.mkdtemp(prefix=name, dir=args.output_dir)  # its run's alone
+        os.chmod(run_dir, 0o755)  # readable by others, as makedirs would make it
     shared = [run_dir]
     if world > 1:
         dist.broadcast_object_list(shared, src=0)
@@ -835,7 +835,7 @@ if __name__ == "__main__":
             window = sde_window(window_size, window_range, args.num_steps, noise_gen,
                                 epoch, args.window_shift_every, args.window_stride)
             steps = range(*window)
-            if args.sde_random_steps:  # UniRL's draw: per epoch, alike on every rank
+            if args.sde_random_steps:  # UniRL's draw: an epoch's, on every rank
                 steps = sde_steps(args.sde_random_steps, window_range, epoch)
             out = rollout(partial(velocity, text=text), noise, sigmas, steps,
                           args.sde_kind, args.noise_level, noise_gen)
@@ -897,7 +897,7 @@ if __name__ == "__main__":
                     _, _, ref_mean, _ = sde_step(
                         ref_v, x, sigma, sigma_next, args.sde_kind, args.noise_level,
                         prev_sample=x_next, second_sigma=sigmas[1])
-                # KLs' sigmas: Flow-GRPO's sigma_t (no sqrt(-dt)), UniRL's; CPS: std
+                # The KLs' sigmas: Flow-GRPO's sigma_t, UniRL's; CPS: the std
                 kl_sigma = std.flatten()
                 dppo_std = std
                 if args.sde_kind == "flow":
@@ -914,11 +914,10 @@ if __name__ == "__main__":
                 scaler.scale(loss).backward()
                 for name, value in step_stats.items():
                     stats[name].append(value)
-                if micro_step == 0:  # it runs the rollout's weights: the ratio is 1
+                if micro_step == 0:  # the rollout's weights: the ratio must be 1
                     on_policy_dev = (ratio - 1).abs().max().item()
-                    if on_policy_dev > args.clip_range / 10:  # they should be equal
-                        say(f"WARNING: the rollout's and training's forwards differ: "
-                            f"on-policy |ratio - 1| = {on_policy_dev:.2e}")
+                    if on_policy_dev > args.clip_range / 10:
+                        say(f"WARNING: on-policy |ratio - 1| = {on_policy_dev:.1e}")
                 micro_step += 1
                 if micro_step % accum_steps == 0:
                     grad_norm = optimizer_step(
@@ -932,7 +931,7 @@ if __name__ == "__main__":
                 ema_moves = micro_step % accum_steps == 0
             else:
                 ema_moves = (global_step + 1) % args.ema_interval == 0
-            if ema_moves:  # a warm-up: the early EMA follows the weights closely
+            if ema_moves:  # a warm-up: the early EMA follows the weights
                 decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))
                 for ema, p in zip(ema_params, lora_params):
                     ema.mul_(decay).add_(p.detach(), alpha=1 - decay)
@@ -982,17 +981,17 @@ if __name__ == "__main__":
                 line += (f" | eval {metrics['eval/reward_mean']:.4f} ± "
                          f"{metrics['eval/reward_stderr']:.4f}")
             print(line + " (nan: a reward gave no number)" * ("nan" in line))
+        if epoch + 1 == args.epochs:  # logged with the last epoch
+            metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
         path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
         try:  # saved each epoch: a preemption loses at most the epoch under way
+            log(metrics, epoch)
             if rank == 0:
                 save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
                                 optimizer, epoch + 1, global_step, args)
                 prune_checkpoints(run_dir, path, args.save_every)
             if world > 1:
                 dist.barrier()
-            if epoch + 1 == args.epochs:  # logged with the last epoch
-                metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
-            log(metrics, epoch)
         except (OSError, SafetensorError) as error:
             stop(f"error: {error} (saving epoch {epoch + 1})")
     executor.shutdown()

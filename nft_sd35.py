@@ -344,7 +344,7 @@ def check_args(args) -> dict | None:
         if not wandb.login(prompt=False):
             fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), "
                  "or WANDB_MODE=offline")
-    if state is None:
+    if not args.resume:
         return None
     script = os.path.basename(__file__)
     if state.get("script") != script:  # e.g. a CRD run's, in GRPO
@@ -686,6 +686,7 @@ if __name__ == "__main__":
     if rank == 0 and run_dir is None:  # made only now: a failed start leaves none
         name = f"{args.exp_name}__{args.seed}__{int(time.time())}_"
         run_dir = tempfile.mkdtemp(prefix=name, dir=args.output_dir)  # its run's alone
+        os.chmod(run_dir, 0o755)  # readable by others, as makedirs would make it
     shared = [run_dir]
     if world > 1:
         dist.broadcast_object_list(shared, src=0)
@@ -960,17 +961,17 @@ if __name__ == "__main__":
                 line += (f" | eval {metrics['eval/reward_mean']:.4f} ± "
                          f"{metrics['eval/reward_stderr']:.4f}")
             print(line + " (nan: a reward gave no number)" * ("nan" in line))
+        if epoch + 1 == args.epochs:  # logged with the last epoch
+            metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
         path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
         try:  # saved each epoch: a preemption loses at most the epoch under way
+            log(metrics, epoch)
             if rank == 0:
                 save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
                                 optimizer, epoch + 1, global_step, args)
                 prune_checkpoints(run_dir, path, args.save_every)
             if world > 1:
                 dist.barrier()
-            if epoch + 1 == args.epochs:  # logged with the last epoch
-                metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
-            log(metrics, epoch)
         except (OSError, SafetensorError) as error:
             stop(f"error: {error} (saving epoch {epoch + 1})")
     executor.shutdown()

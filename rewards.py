@@ -4,8 +4,8 @@
     scores, info = fn(images, prompts, metadata)  # float32 CPU (B,), {component: scores, ...}
 
 `images`: float (B, 3, H, W) in [0, 1] or PIL; `metadata`: a JSONL prompt file's extra fields.
-A spec term is `name[option=value;...]=weight` or `path/to/file.py:function` (same contract).
-File rewards get tensors (also served); `fn.check_prompts` may vet prompts.
+A spec term is `name[option=value;...]=weight` or `path/to/file.py:function` (same contract:
+tensors, also served; a `fn.check_prompts` vets prompts). docs/rewards.md: the whole story.
 """
 
 import base64
@@ -38,8 +38,7 @@ def to_pil(images) -> list[Image.Image]:
     return [Image.fromarray(array) for array in pixels.permute(0, 2, 3, 1).numpy()]
 
 def encoded(image: Image.Image, file_format: str, **options) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format=file_format, **options)
+    image.save(buffer := io.BytesIO(), format=file_format, **options)
     return buffer.getvalue()
 
 def require(module: str, pip_name: str, reward: str):
@@ -168,16 +167,18 @@ def ocr_score(recognised: str, target: str) -> float:
         return 1.0
     return 1.0 - min(levenshtein(recognised, target), len(target)) / len(target)
 
-def ocr(workers: int = 8, rec_model: str = "", rec_keys: str = ""):
-    """PP-OCR accuracy on the prompt's quoted text as flow_grpo/ocr.py (README: OCR deviation)."""
+def ocr(workers: int = 8, threads: int = 0, rec_model: str = "", rec_keys: str = ""):
+    """PP-OCR accuracy on the prompt's quoted text as flow_grpo/ocr.py (docs/rewards.md),
+    `workers` images at once, a call on `threads` onnxruntime threads (0: one per core)."""
     files = {"rec_model_path": rec_model, "rec_keys_path": rec_keys}
     files = {option: path for option, path in files.items() if path}
     for path in files.values():
-        if not os.path.isfile(path):
-            raise ValueError(f"ocr reward: no such file {path!r} (rec_model / rec_keys)")
+        if not os.path.isfile(path):  # rec_model, rec_keys
+            raise ValueError(f"ocr reward: no such file {path!r}")
+    pool_size = {"intra_op_num_threads": int(threads)} if int(threads) else {}
     engine = require("rapidocr_onnxruntime", "rapidocr-onnxruntime", "ocr").RapidOCR(
         use_cls=False, det_limit_side_len=960, det_limit_type="max", det_box_thresh=0.6,
-        det_unclip_ratio=1.5, det_use_dilation=False, text_score=0.5, **files)
+        det_unclip_ratio=1.5, det_use_dilation=False, text_score=0.5, **files, **pool_size)
     pool = ThreadPoolExecutor(max_workers=int(workers))
     def read_text(image: Image.Image) -> str:
         lines = engine(np.asarray(image))[0] or []  # [(box, text, confidence)]

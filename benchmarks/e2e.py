@@ -8,6 +8,7 @@ between them. This runs each script through its normal `__main__` (a subprocess 
 
     python benchmarks/e2e.py --arch tiny                   # CPU, all five scripts, eager: a minute
     python benchmarks/e2e.py --arch full --scripts grpo --variants eager compiled --json e2e.json
+    python benchmarks/e2e.py --arch full --scripts dance --build-only  # time a build, no runs
 
 - Models: `--arch full` builds, once, complete pipeline directories under --model-dir with random
   weights from the public configs (text encoders below, diffusion models in throughput*.py):
@@ -146,6 +147,8 @@ class Args:
     """seconds per run before it is killed and reported as a timeout; None = no limit"""
     script_args: str = ""
     """more flags for every script, as --script-args="--eval-num-steps 10" (last: they win)"""
+    build_only: bool = False
+    """build (and time) the pipelines that --scripts need, then stop: no runs"""
 
 
 # ---------------------------------------------------------------- building the pipelines
@@ -537,10 +540,28 @@ def measure(args: Args, script: str, variant: str, model: str, peak: float, cach
     return run
 
 
+def build_all(args: Args, device, report: dict):
+    """Every pipeline that --scripts need, built once, in report["builds"][family]: its path,
+    the build's seconds, and whether it was reused (already under --model-dir: no build)."""
+    for family in dict.fromkeys("flux-dev" if s == "dance" else "sd35m" for s in args.scripts):
+        reused = os.path.exists(os.path.join(args.model_dir, args.arch, family, "model_index.json"))
+        start = time.perf_counter()
+        model = build_pipeline(args.arch, family, args.model_dir, device)
+        seconds = time.perf_counter() - start
+        report["builds"][family] = {"path": model, "seconds": seconds, "reused": reused}
+        write_json(args.json, report)
+        print(f"{'reused' if reused else 'built'} {model} in {seconds:.0f} s", flush=True)
+
+
 def main(args: Args) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     variants = args.variants or (("eager",) if args.arch == "tiny" else ("eager", "compiled"))
     micro_rows = [json.loads(line) for path in args.micro_log for line in open(path)]
+    if args.build_only:
+        report = {"meta": {"device": device_name(device), "arch": args.arch,
+                           "date": datetime.date.today().isoformat()}, "builds": {}, "runs": []}
+        build_all(args, device, report)
+        return report
     peak = matmul_peak(device, ARCHS[args.arch]["dtype"])
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the GPU belongs to the scripts
@@ -552,14 +573,11 @@ def main(args: Args) -> dict:
     versions = (f"{meta['device']} · torch {meta['torch']} · diffusers {meta['diffusers']} · "
                 f"transformers {meta['transformers']} · peft {meta['peft']} · {meta['date']}")
     print(f"{versions}; {args.arch} arch; matmul peak {peak / 1e12:.3g} TFLOP/s", flush=True)
-    report, flops_cache = {"meta": meta, "runs": []}, {}
+    report, flops_cache = {"meta": meta, "builds": {}, "runs": []}, {}
     os.makedirs(args.output_dir, exist_ok=True)
+    build_all(args, device, report)
     for script in args.scripts:
-        start = time.perf_counter()
-        family = "flux-dev" if script == "dance" else "sd35m"
-        model = build_pipeline(args.arch, family, args.model_dir, device)
-        if time.perf_counter() - start > 1:
-            print(f"built {model} in {time.perf_counter() - start:.0f} s", flush=True)
+        model = report["builds"]["flux-dev" if script == "dance" else "sd35m"]["path"]
         for variant in variants:
             run = measure(args, script, variant, model, peak, flops_cache, micro_rows)
             report["runs"].append(run)

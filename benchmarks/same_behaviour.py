@@ -27,9 +27,10 @@ re-checking a candidate re-runs only the candidate. A revision is checked out on
 
 One tree's runs took, on one core of a shared CPU machine (each line prints the seconds of the
 reference and the candidate runs): the 64 tiny* checks (configuration x process count) ~11 min,
-the five demo-short ~9 min, the five demos ~36 min. Runs use one thread each (OMP_NUM_THREADS=1),
-HF_HUB_OFFLINE=1, WANDB_MODE=disabled, no GPU (CUDA_VISIBLE_DEVICES=""), and
-`torch.distributed.run --standalone` (gloo) for 2 processes.
+the five demo-short ~3 min, the five demos ~17 min; up to 3x that while other jobs load the
+machine. Runs use one thread each (OMP_NUM_THREADS=1), HF_HUB_OFFLINE=1, WANDB_MODE=disabled,
+no GPU (CUDA_VISIBLE_DEVICES=""), and `torch.distributed.run --standalone` (gloo) for 2
+processes.
 """
 
 import argparse
@@ -93,8 +94,8 @@ def tiny(*extra: str) -> list[str]:
 
 
 def readme_demos() -> dict[str, list[str]]:
-    """{script: flags} of README.md's CPU demo block ("Running a script")."""
-    text = (REPO / "README.md").read_text()
+    """{script: flags} of the five CPU demo lines (docs/toy_world.md, "CPU demo")."""
+    text = (REPO / "docs" / "toy_world.md").read_text()
     block = text.split("CPU demo", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     argvs = [shlex.split(line) for line in re.sub(r"\\\n\s*", " ", block).splitlines()
              if line.strip().startswith("python ")]
@@ -586,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     options.cache.mkdir(parents=True, exist_ok=True)
     trees = {"reference": resolve_tree(options.reference, options.cache)}
     if not options.reference_only:
-        tree, key = resolve_tree(options.candidate, options.cache)
+        tree, _ = resolve_tree(options.candidate, options.cache)
         trees["candidate"] = tree, f"{tree.name}-{hashlib.sha256(bytes(tree)).hexdigest()[:8]}"
     models = tiny_models(options.cache)
     print(f"reference {trees['reference'][0]} ({trees['reference'][1]}); candidate "

@@ -123,7 +123,7 @@ def test_files_and_modes_that_cannot_work_fail_before_the_model_loads(tiny_sd3, 
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a cat"}\n{"prompt": "a dog"\n')
     (tmp_path / "no_prompt.jsonl").write_text('{"text": "a cat"}\n')
     for extra, message in [
-            (["--output-dir", str(tmp_path / "a_file")], "a_file' is a file"),
+            (["--output-dir", str(tmp_path / "a_file")], "a_file': File exists"),
             (["--train-prompts", str(tmp_path / "bad.jsonl")], "must be a JSON object with"),
             (["--test-prompts", str(tmp_path / "no_prompt.jsonl")], "with a 'prompt'"),
             (["--mixed-precision", "fp16"], "fp16 needs a GPU")]:
@@ -216,9 +216,9 @@ def test_resume_refuses_what_it_cannot_continue(tiny_sd3, tmp_path, grpo_lora_ru
         assert_bad_input(other, base + resume, "is not a checkpoint of " + other)
     hidden = run / "checkpoints" / ".epoch_00002.tmp"  # what a save that crashed leaves
     hidden.mkdir()
-    (hidden / "state.pt").write_bytes((checkpoint / "state.pt").read_bytes())
+    (hidden / "state.pt").write_bytes((checkpoint / "state.pt").read_bytes())  # no checksum
     assert_bad_input("grpo_sd35.py", base + LORA + ["--epochs", "3", "--resume", str(hidden)],
-                     "unfinished save")
+                     "not a checkpoint directory")
     # a resumed run continues its checkpoint's run dir, cleans the crashed save, prints its
     # final eval
     flags = tiny_sd35_flags(tiny_sd3, tmp_path / "a") + GRPO_LORA + ["--resume", str(checkpoint)]
@@ -227,7 +227,7 @@ def test_resume_refuses_what_it_cannot_continue(tiny_sd3, tmp_path, grpo_lora_ru
     assert "eval after 2 epochs" in resumed.stdout and "process(es)" in resumed.stdout
     assert [epoch["epoch"] for epoch in read_metrics(run)] == [0, 1] and not hidden.exists()
     assert (run / "checkpoints" / "epoch_00002" / "state.pt").is_file()
-    assert not (tmp_path / "b").exists()
+    assert not any((tmp_path / "b").iterdir())  # --output-dir checked, no run directory
 
 
 def test_dance_refuses_an_sd35_checkpoint(tiny_flux, tmp_path, grpo_lora_run):
@@ -290,13 +290,13 @@ def test_resume_latest_starts_then_continues_in_the_same_run(tiny_sd3, tmp_path)
 
 
 def test_sheet_has_a_row_per_distinct_test_prompt(tiny_sd3, tmp_path):
-    """2 prompts x 6 samples, 16 cells: rows of 4 (the first 4 samples of one prompt each),
-    2 rows: 128 x 64 pixels at 32 px (the first 16 indices would fill 4 x 3)."""
+    """2 prompts x 6 samples: a labelled row per prompt of its first 4 samples, cells of 128
+    px under a 24 px label (the first 16 lines would fill 4 x 3 with mixed prompts)."""
     prompts = tmp_path / "repeated.txt"
     prompts.write_text("a red square\n" * 6 + "a blue circle\n" * 6)
     flags = tiny_sd35_flags(tiny_sd3, tmp_path / "out") + ["--test-prompts", str(prompts),
                                                           "--epochs", "1"]
     run_dir = run_script("grpo_sd35.py", flags)
     with Image.open(run_dir / "eval_00000.png") as sheet:
-        assert sheet.size == (128, 64)
+        assert sheet.size == (640, 2 * (128 + 24))
     assert read_metrics(run_dir)[0]["eval/diversity"] > 0  # 2 groups of 6

@@ -59,7 +59,7 @@ def loss_of(log_prob, advantages, **overrides):
     no accumulation, unless overridden."""
     terms = dict(log_prob=log_prob, old_log_prob=torch.zeros_like(log_prob),
                  advantages=advantages, mean=None, old_mean=None, std=None, ref_mean=None,
-                 kl_sigma=None, abs_dt=1.0, trust_region="clip", clip_range=1e-4,
+                 kl_sigma=None, dppo_std=None, abs_dt=1.0, trust_region="clip", clip_range=1e-4,
                  dppo_threshold=1e-5, adv_clip=5.0, kl_beta=0.04, accum_steps=1)
     return grpo_loss(**(terms | overrides))
 
@@ -157,13 +157,13 @@ def test_window_rollout_is_sde_inside_the_window_and_ode_outside(kind, window):
     sigmas, cond, model = torch.linspace(1, 0, 7), fake_cond(2), FakeVelocity()  # T = 6 steps
     noise = torch.randn(2, 4, 3, 3, generator=torch.Generator().manual_seed(0))
     velocity = velocity_of(model, cond, 1.0)
-    runs = [rollout(velocity, noise, sigmas, window, kind, 0.8,
+    runs = [rollout(velocity, noise, sigmas, range(*window), kind, 0.8,
                     torch.Generator().manual_seed(seed)) for seed in (0, 1)]
-    latents, log_probs, means, final = runs[0][1:]
-    latents_b = runs[1].latents
-    assert runs[0].start == window[0]
-    assert latents.shape == (2, 3, 4, 3, 3) and log_probs.shape == (2, 2)
-    assert means.shape == (2, 2, 4, 3, 3)
+    out, other = runs
+    assert out.steps == list(range(*window))
+    assert out.latents.shape == out.next_latents.shape == (2, 2, 4, 3, 3)
+    assert out.log_probs.shape == (2, 2) and out.means.shape == (2, 2, 4, 3, 3)
+    assert torch.equal(out.latents[:, 1], out.next_latents[:, 0])  # consecutive steps
 
     def euler(x, steps):
         for i in steps:
@@ -171,40 +171,55 @@ def test_window_rollout_is_sde_inside_the_window_and_ode_outside(kind, window):
         return x
 
     # ODE before the window: its first latent is plain Euler from the noise, for any generator
-    assert torch.allclose(latents[:, 0], euler(noise, range(window[0])), atol=1e-6)
-    assert torch.equal(latents[:, 0], latents_b[:, 0])
+    assert torch.allclose(out.latents[:, 0], euler(noise, range(window[0])), atol=1e-6)
+    assert torch.equal(out.latents[:, 0], other.latents[:, 0])
     # SDE inside: another generator gives other latents; only the window's K steps are stored
-    assert not torch.allclose(latents[:, 1:], latents_b[:, 1:])
+    assert not torch.allclose(out.next_latents, other.next_latents)
     # ODE after the window: deterministic Euler from the window's last latent
-    assert torch.allclose(final, euler(latents[:, -1], range(window[1], 6)), atol=1e-6)
+    after = euler(out.next_latents[:, -1], range(window[1], 6))
+    assert torch.allclose(out.sample, after, atol=1e-6)
     # training re-scores every stored window step exactly as sampled (on-policy ratio exactly 1)
-    for j in range(2):
-        t = window[0] + j
-        v = velocity(latents[:, j], sigmas[t])
-        _, log_prob, mean, std = sde_step(v, latents[:, j], sigmas[t], sigmas[t + 1], kind, 0.8,
-                                          prev_sample=latents[:, j + 1], second_sigma=sigmas[1])
-        assert torch.equal(log_prob, log_probs[:, j]) and torch.equal(mean, means[:, j])
+    for j, t in enumerate(out.steps):
+        v = velocity(out.latents[:, j], sigmas[t])
+        _, log_prob, mean, std = sde_step(v, out.latents[:, j], sigmas[t], sigmas[t + 1], kind,
+                                          0.8, prev_sample=out.next_latents[:, j],
+                                          second_sigma=sigmas[1])
+        assert torch.equal(log_prob, out.log_probs[:, j]) and torch.equal(mean, out.means[:, j])
         assert (std > 0).all()
         if kind == "cps":  # CPS: its constant-free log-prob and std sigma_next sin(a pi / 2)
-            want = -((latents[:, j + 1] - mean) ** 2).mean(dim=(1, 2, 3))
+            want = -((out.next_latents[:, j] - mean) ** 2).mean(dim=(1, 2, 3))
             assert torch.allclose(log_prob, want)
             assert torch.allclose(std, sigmas[t + 1] * math.sin(0.8 * math.pi / 2))
+
+
+def test_rollout_on_random_steps_samples_only_those_by_sde():
+    """UniRL's independent steps (--sde-random-steps): SDE on steps 0 and 3, Euler between."""
+    sigmas, cond, model = torch.linspace(1, 0, 6), fake_cond(2), FakeVelocity()
+    noise = torch.randn(2, 4, 3, 3, generator=torch.Generator().manual_seed(0))
+    velocity = velocity_of(model, cond, 1.0)
+    out = rollout(velocity, noise, sigmas, [0, 3], "flow", 0.7, torch.Generator().manual_seed(1))
+    assert out.steps == [0, 3] and out.log_probs.shape == (2, 2)
+    x = out.next_latents[:, 0]
+    for i in (1, 2):  # the ODE between the two SDE steps
+        x = x + velocity(x, sigmas[i]) * (sigmas[i + 1] - sigmas[i])
+    assert torch.allclose(out.latents[:, 1], x, atol=1e-6)
 
 
 def test_rollout_without_a_window_is_the_sde_step_by_step():
     sigmas, cond, model = torch.linspace(1, 0, 5), fake_cond(3), FakeVelocity()
     noise = torch.randn(3, 4, 3, 3, generator=torch.Generator().manual_seed(0))
     velocity = velocity_of(model, cond, 4.5)
-    _, latents, log_probs, means, final = rollout(velocity, noise, sigmas, (0, 4), "flow", 0.7,
-                                                  torch.Generator().manual_seed(3))
+    out = rollout(velocity, noise, sigmas, range(4), "flow", 0.7,
+                  torch.Generator().manual_seed(3))
     gen, x = torch.Generator().manual_seed(3), noise
     for i in range(4):
+        assert torch.equal(out.latents[:, i], x)
         v = velocity(x, sigmas[i])
         x, log_prob, mean, _ = sde_step(v, x, sigmas[i], sigmas[i + 1], "flow", 0.7,
                                         generator=gen, second_sigma=sigmas[1])
-        assert torch.equal(latents[:, i + 1], x) and torch.equal(log_probs[:, i], log_prob)
-        assert torch.equal(means[:, i], mean)
-    assert torch.equal(latents[:, 0], noise) and torch.equal(final, x) and latents.shape[1] == 5
+        assert torch.equal(out.next_latents[:, i], x)
+        assert torch.equal(out.log_probs[:, i], log_prob) and torch.equal(out.means[:, i], mean)
+    assert torch.equal(out.sample, x)
 
 
 def test_guidance_one_runs_no_unconditional_forward():
@@ -215,7 +230,8 @@ def test_guidance_one_runs_no_unconditional_forward():
     # CFG doubles the batch ([uncond; cond]); guidance 1 runs the cond half only
     assert model.batch_sizes == [3, 6]
     model.batch_sizes.clear()
-    rollout(velocity_of(model, cond, 1.0), x, torch.linspace(1, 0, 5), (1, 3), "cps", 0.8, None)
+    rollout(velocity_of(model, cond, 1.0), x, torch.linspace(1, 0, 5), range(1, 3), "cps", 0.8,
+            None)
     assert model.batch_sizes == [3] * 4
 
 
@@ -425,7 +441,7 @@ def test_window_run_resumes_exactly(tiny_sd3, tmp_path, fast_run):
 @pytest.mark.parametrize("flags,message", [
     (["--sde-window-size", "3", "--sde-window-range", "0", "2"], "does not fit"),
     (["--sde-window-size", "2", "--sde-window-range", "3", "5"], "does not fit"),  # B > 4 steps
-    (["--sde-window-size", "-1"], "does not fit"),
+    (["--sde-window-size", "-1"], "--sde-window-size must be >= 0"),
     (["--trust-region", "ratio-norm", "--sde-kind", "cps"], "ratio-norm needs --sde-kind flow"),
     (["--train-prompts", "missing.txt"], "does not exist"),
     (["--reward", "no_such_reward"], "no_such_reward"),

@@ -3,6 +3,8 @@ by their script up to the model load (the learning tests run the same recipes to
 each script's docstring points to its page, and every relative link and image in the Markdown
 resolves."""
 
+import contextlib
+import io
 import re
 import shlex
 
@@ -88,3 +90,41 @@ def test_markdown_lines_fit_120_columns_and_cite_no_machine_paths():
             assert not line.endswith("]("), f"{name}:{number}: a link split over lines"
             assert not re.search(r"(?<![\w.])/(work|tmp)/", line), f"{name}:{number}: {line}"
     assert len((REPO / "README.md").read_text().splitlines()) <= 250
+
+
+def launch_lines() -> list[tuple[str, str, list[str]]]:
+    """(file, script, flags) of every `python SCRIPT.py ...` or `torchrun ... SCRIPT.py ...`
+    line in the Markdown's ```bash blocks (continuations joined), SCRIPT one of the five; lines
+    with an elided `...` are left out (their flags are not all there)."""
+    found = []
+    for name in markdown_files():
+        parts = (REPO / name).read_text().split("```")
+        for block in (parts[i] for i in range(1, len(parts), 2) if parts[i].startswith("bash\n")):
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+                words = shlex.split(line, comments=True)
+                scripts = [i for i, word in enumerate(words) if word in PAGES]
+                if not words or words[0] not in ("python", "torchrun") or not scripts:
+                    continue
+                flags = words[scripts[0] + 1:]
+                if "..." not in flags and not any("..." in word for word in flags):
+                    found.append((name, words[scripts[0]], flags))
+    return found
+
+
+def test_every_launch_line_in_the_docs_names_real_flags():
+    """Each documented command line parses with its script's Args: no flag the script lacks
+    (a renamed or removed one, or one a page promises before it exists), no bad value type."""
+    import importlib
+
+    import tyro
+    lines = launch_lines()
+    assert len(lines) >= 20, len(lines)
+    bad = []
+    for name, script, flags in lines:
+        module = importlib.import_module(script[: -len(".py")])
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                tyro.cli(module.Args, args=flags)
+        except SystemExit:
+            bad.append(f"{name}: {script} {' '.join(flags)}")
+    assert not bad, "\n".join(bad)

@@ -74,6 +74,27 @@ def test_ocr_real_rapidocr_on_rendered_text():
     assert fn([Image.fromarray(pixels)], prompts[:1], [{}])[0][0] == pytest.approx(1.0)
 
 
+def test_ocr_threads_option_sizes_the_onnxruntime_pools(monkeypatch):
+    """`ocr[threads=N]` runs each PP-OCR model on N onnxruntime threads; 0 (the default) keeps
+    onnxruntime's own choice (0 in the session options). It still reads text."""
+    import rapidocr_onnxruntime
+
+    engines, real = [], rapidocr_onnxruntime.RapidOCR
+
+    def recording_engine(**options):
+        engines.append(real(**options))
+        return engines[-1]
+
+    monkeypatch.setattr(rapidocr_onnxruntime, "RapidOCR", recording_engine)
+    one_thread = rewards.build_reward("ocr[workers=2;threads=1]")
+    rewards.build_reward("ocr")
+    pools = [[ort.session.get_session_options().intra_op_num_threads
+              for ort in (engine.text_det.infer, engine.text_rec.session)] for engine in engines]
+    assert pools == [[1, 1], [0, 0]]
+    scores, _ = one_thread(text_image("FLOW GRPO")[None], ['A sign that says "Flow GRPO"'], [{}])
+    assert scores.tolist() == [1.0]
+
+
 FONT_FILES = [f"/usr/share/fonts/truetype/dejavu/{name}.ttf"
               for name in ("DejaVuSerif-Bold", "DejaVuSansMono")]
 
