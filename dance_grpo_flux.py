@@ -753,6 +753,7 @@ if __name__ == "__main__":
     if rank == 0 and run_dir is None:  # made only now: a failed start leaves none
         name = f"{args.exp_name}__{args.seed}__{int(time.time())}_"
         run_dir = tempfile.mkdtemp(prefix=name, dir=args.output_dir)  # its run's alone
+        os.chmod(run_dir, 0o755)  # readable by others, as makedirs would make it
     shared = [run_dir]
     if world > 1:
         dist.broadcast_object_list(shared, src=0)
@@ -1041,11 +1042,14 @@ if __name__ == "__main__":
                 line += (f" | eval {metrics['eval/reward_mean']:.4f} ± "
                          f"{metrics['eval/reward_stderr']:.4f}")
             print(line + " (nan: a reward gave no number)" * ("nan" in line))
+        if epoch + 1 == args.epochs:  # logged with the last epoch
+            metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
         # A LoRA's each epoch (preemption loses one at most), a full
         # fine-tune's (tens of GB) every --save-every epochs and the last
         saving = not args.full_finetune or (epoch + 1) % args.save_every == 0
         path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
         try:
+            log(metrics, epoch)
             if saving or epoch + 1 == args.epochs:
                 save_checkpoint(path, transformer, params, ema_params, optimizer,
                                 epoch + 1, global_step, args, rank)
@@ -1053,9 +1057,6 @@ if __name__ == "__main__":
                     prune_checkpoints(run_dir, path, args.save_every)
             if world > 1:
                 dist.barrier()
-            if epoch + 1 == args.epochs:  # logged with the last epoch
-                metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
-            log(metrics, epoch)
         except (OSError, SafetensorError) as error:
             stop(f"error: {error} (saving epoch {epoch + 1})")
     executor.shutdown()
