@@ -93,7 +93,7 @@ class Args:
     model: str = "black-forest-labs/FLUX.1-dev"
     """hub id or local path of a diffusers FluxPipeline"""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
-    """dtype of the frozen weights (trained ones, VAE: fp32), with autocast"""
+    """frozen weights' dtype, with autocast; fp16 refused: FLUX overflows it"""
     gradient_checkpointing: bool = True
     """recompute activations in backward (FLUX is 12B)"""
     compile: bool = torch.cuda.is_available()
@@ -312,13 +312,13 @@ def check_args(args) -> dict | None:
         saves = glob.glob(os.path.join(runs, "checkpoints", "epoch_*"))
         args.resume = None  # runs sort by start time, then epoch: the newest good one
         for save in sorted(saves, reverse=True):
-            state = load_checked(save)
+            state = load_state(save)
             if isinstance(state, dict):
                 args.resume = save
                 break
             say(f"skipping {save}: {state}")
     elif args.resume:
-        state = load_checked(args.resume)
+        state = load_state(args.resume)
         if isinstance(state, str):
             fail(f"--resume {args.resume!r}: {state}")
     if args.resume:
@@ -330,17 +330,16 @@ def check_args(args) -> dict | None:
             if name not in given | {"resume", "eval_only"}:
                 setattr(args, name, value)
     check_ranges(args)
-    if args.mixed_precision == "fp16" and not torch.cuda.is_available():
-        fail("--mixed-precision fp16 needs a GPU (on CPU: bf16 or no)")
+    if args.mixed_precision == "fp16":  # upstream trains in bf16
+        fail("--mixed-precision fp16: FLUX overflows in fp16 (bf16 or no)")
     try:  # found now, not after the model loads
         os.makedirs(args.output_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=args.output_dir).close()
     except OSError as error:
         fail(f"--output-dir {args.output_dir!r}: {error.strerror}")
-    defaults = (Args.lora_rank, Args.lora_alpha)
-    lora_flags = (args.lora_rank, args.lora_alpha) != defaults
-    if args.full_finetune and (lora_flags or args.mixed_precision == "fp16"):
-        fail("--full-finetune: no LoRA-only --lora-rank/--lora-alpha, no fp16")
+    lora_flags = (args.lora_rank, args.lora_alpha) != (Args.lora_rank, Args.lora_alpha)
+    if args.full_finetune and lora_flags:
+        fail("--full-finetune: no LoRA-only --lora-rank/--lora-alpha")
     try:  # the config files give the resolution's factor before the weights load
         vae = AutoencoderKL.load_config(args.model, subfolder="vae")
         dit = FluxTransformer2DModel.load_config(args.model, subfolder="transformer")
@@ -383,21 +382,6 @@ def load_state(save: str) -> dict | str:
     if hashlib.sha256(data).hexdigest() != digest:
         return "corrupt: its state.pt does not match state.pt.sha256"
     return torch.load(io.BytesIO(data), map_location="cpu")
-
-def load_checked(save: str) -> dict | str:
-    """load_state, and a full fine-tune's dcp/ files of the sizes state.pt lists. A
-    shard missing or cut short is found; flipped bytes in one are not (no hash of tens
-    of GB on rank 0)."""
-    state = load_state(save)
-    if isinstance(state, dict) and "shards" in state:
-        if file_sizes(os.path.join(save, "dcp")) != state["shards"]:
-            return "corrupt: its dcp/ files are not those state.pt lists"
-    return state
-
-def file_sizes(folder: str) -> dict[str, int]:
-    """{name: bytes} of the files in folder."""
-    names = os.listdir(folder) if os.path.isdir(folder) else []
-    return {name: os.path.getsize(os.path.join(folder, name)) for name in names}
 
 def load_prompts(path: str) -> tuple[list[str], list[dict]]:
     """A prompt per line, or JSONL with a `prompt`: the prompts, their metadata."""
@@ -480,19 +464,16 @@ def shard_for_full_finetune(transformer):
         fully_shard(block)
     fully_shard(transformer)
 
-def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where,
-                   run_dir, sharded):
-    """All-reduce (unless FSDP2 did), unscale, clip, check, step: the norm."""
+def optimizer_step(optimizer, params, max_grad_norm, world, loss, where, run_dir,
+                   sharded):
+    """All-reduce (unless FSDP2 did), clip, check, step: the gradient norm."""
     if world > 1 and not sharded:
         flat = torch.nn.utils.parameters_to_vector(p.grad for p in params)
         dist.all_reduce(flat)
         torch.nn.utils.vector_to_parameters(flat / world, [p.grad for p in params])
-    scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    if not scaler.is_enabled():  # fp16's scaler skips non-finite steps itself
-        check_finite(where, run_dir, loss=loss, gradient=grad_norm)
-    scaler.step(optimizer)
-    scaler.update()
+    check_finite(where, run_dir, loss=loss, gradient=grad_norm)
+    optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
 
@@ -527,7 +508,6 @@ def save_checkpoint(path, transformer, params, ema_params, optimizer, next_epoch
                 with open(f"{tmp}/{name}/config.json", "w") as file:
                     json.dump(config, file, indent=2)
         state["kind"] = "full_finetune"
-        state["shards"] = file_sizes(f"{tmp}/dcp")  # all written, by every rank
     elif rank == 0:
         config = transformer.peft_config["default"].to_dict()
         for name, copies in [("lora", []), ("ema_lora", ema_params)]:
@@ -695,9 +675,8 @@ if __name__ == "__main__":
             f"{images_per_epoch} images/epoch; {args.updates_per_epoch} updates/epoch "
             f"of {accum_steps} micro-steps each")
 
-    # TRY NOT TO MODIFY: the model: frozen base in bf16/fp16, LoRA (or all) in fp32
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
-    dtype = dtypes[args.mixed_precision]
+    # TRY NOT TO MODIFY: the model: frozen base in bf16, LoRA (or all) in fp32
+    dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
     pipe = FluxPipeline.from_pretrained(
         args.model, dtype={"default": dtype, "vae": torch.float32}).to(device)
     transformer = pipe.transformer  # in eval mode throughout
@@ -723,7 +702,6 @@ if __name__ == "__main__":
             block.compile(dynamic=False)
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
-    scaler = torch.amp.GradScaler(enabled=args.mixed_precision == "fp16")
     ema_params = [p.detach().clone() for p in params]
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     # FLUX packs 2x2 latent pixels into a token of 4x the channels.
@@ -741,8 +719,14 @@ if __name__ == "__main__":
     start_epoch = 0
     global_step = 0
     if state is not None and args.full_finetune:  # on any GPU count
-        dist.checkpoint.load(sharded_state(transformer, optimizer, ema_params),
-                             checkpoint_id=os.path.join(args.resume, "dcp"))
+        # state.pt's checksum covers the run's state, not the shards (tens of GB,
+        # written before it): one missing or cut short fails this load.
+        try:
+            dist.checkpoint.load(sharded_state(transformer, optimizer, ema_params),
+                                 checkpoint_id=os.path.join(args.resume, "dcp"))
+        except Exception as error:
+            fail(f"--resume {args.resume!r}: its dcp/ shards do not load "
+                 f"({type(error).__name__})")
     elif state is not None:
         for p, saved in zip(params + ema_params, state["lora"] + state["ema"]):
             p.data.copy_(saved)
@@ -973,7 +957,7 @@ if __name__ == "__main__":
                     trust_region=args.trust_region, clip_range=args.clip_range,
                     dppo_threshold=args.dppo_threshold, adv_clip=args.adv_clip,
                     accum_steps=accum_steps)
-                scaler.scale(loss).backward()
+                loss.backward()
                 for name, value in step_stats.items():
                     stats[name].append(value)
                 if micro_step == 0:  # it runs the rollout's weights: the ratio is 1
@@ -985,8 +969,8 @@ if __name__ == "__main__":
                 if micro_step % accum_steps == 0:
                     where = f"epoch {epoch}, step {global_step}"
                     grad_norm = optimizer_step(
-                        optimizer, scaler, params, args.max_grad_norm, world, loss,
-                        where, run_dir, args.full_finetune)
+                        optimizer, params, args.max_grad_norm, world, loss, where,
+                        run_dir, args.full_finetune)
                     global_step += 1
                     # A warm-up: the early EMA follows the weights.
                     decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))
