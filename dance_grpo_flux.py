@@ -11,8 +11,7 @@ the paper's FLUX tables are `--full-finetune`'s), on any number of GPUs:
 Provenance: XueZeyue/DanceGRPO@15cc71d, fastvideo/train_grpo_flux.py unless named.
     dance_sigmas             sd3_time_shift (sde.py's "dance" step: flux_step)
     rollout                  run_sample_step (the timestep floored to 1/1000)
-    grpo_loss                train_one_step (--use_group), grpo_one_step
-    select_train_steps       train_one_step (the last step is never trained)
+    grpo_loss, select_train_steps  train_one_step (--use_group), grpo_one_step
     LORA_TARGETS, the init   train_grpo_flux_lora.py
     shard_for_full_finetune  fastvideo/utils/fsdp_util.py (FSDP1 there)
     the EMA warm-up          yifan123/flow_grpo, flow_grpo/ema.py
@@ -93,7 +92,7 @@ class Args:
     model: str = "black-forest-labs/FLUX.1-dev"
     """hub id or local path of a diffusers FluxPipeline"""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
-    """frozen weights' dtype, with autocast; fp16 refused: FLUX overflows it"""
+    """frozen weights' dtype, with autocast (not fp16: FLUX overflows it)"""
     gradient_checkpointing: bool = True
     """recompute activations in backward (FLUX is 12B)"""
     compile: bool = torch.cuda.is_available()
@@ -245,8 +244,7 @@ def rollout(velocity, noise, sigmas, window, noise_level, generator,
     return Rollout(start, *[torch.stack(kept[name], 1) for name in names], x0_hat)
 
 def select_train_steps(batch: int, num_steps: int, fraction: float, generator):
-    """(batch, K): each sample's own K = int((num_steps - 1) fraction) random
-    steps, never the last (as upstream)."""
+    """(batch, K): each sample's own K random steps, never the last (as upstream)."""
     candidates = num_steps - 1
     order = torch.rand(batch, candidates, generator=generator).argsort(dim=1)
     return order[:, : int(candidates * fraction)]
@@ -330,7 +328,7 @@ def check_args(args) -> dict | None:
             if name not in given | {"resume", "eval_only"}:
                 setattr(args, name, value)
     check_ranges(args)
-    if args.mixed_precision == "fp16":  # upstream trains in bf16
+    if args.mixed_precision == "fp16":
         fail("--mixed-precision fp16: FLUX overflows in fp16 (bf16 or no)")
     try:  # found now, not after the model loads
         os.makedirs(args.output_dir, exist_ok=True)
@@ -485,8 +483,7 @@ def sharded_state(transformer, optimizer, ema_params) -> dict:
 def save_checkpoint(path, transformer, params, ema_params, optimizer, next_epoch,
                     global_step, args, rank: int):
     """On every rank, to a hidden directory, then renamed. LoRA: `lora/`, `ema_lora/`;
-    else `dcp/` and, at the end, diffusers `(ema_)transformer/`; state.pt and its
-    checksum last."""
+    full: `dcp/`, at the end diffusers `(ema_)transformer/`; state.pt, sha256 last."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     state = {"next_epoch": next_epoch, "global_step": global_step, "args": asdict(args),
              "script": os.path.basename(__file__)}
@@ -719,12 +716,10 @@ if __name__ == "__main__":
     start_epoch = 0
     global_step = 0
     if state is not None and args.full_finetune:  # on any GPU count
-        # state.pt's checksum covers the run's state, not the shards (tens of GB,
-        # written before it): one missing or cut short fails this load.
-        try:
+        try:  # no checksum of the shards (tens of GB): a bad one fails here
             dist.checkpoint.load(sharded_state(transformer, optimizer, ema_params),
                                  checkpoint_id=os.path.join(args.resume, "dcp"))
-        except Exception as error:
+        except (Exception, dist.checkpoint.api.CheckpointException) as error:
             fail(f"--resume {args.resume!r}: its dcp/ shards do not load "
                  f"({type(error).__name__})")
     elif state is not None:
@@ -913,8 +908,8 @@ if __name__ == "__main__":
         if reward_fn.group_transform is not None:  # e.g. ranks within each group
             all_rewards, all_components = reward_fn.group_transform(all_components,
                                                                     group_ids)
-        # Upstream's: each group's own unbiased std, eps 1e-8
-        advantages = group_advantages(all_rewards, group_ids, True, eps=1e-8, ddof=1)
+        advantages = group_advantages(all_rewards, group_ids, per_group_std=True,
+                                      eps=1e-8, ddof=1)  # upstream's
         check_finite(f"epoch {epoch}", run_dir, reward=all_rewards,
                      advantage=advantages)
         group_std = torch.stack([all_rewards[group_ids == group].std(unbiased=False)
@@ -960,19 +955,16 @@ if __name__ == "__main__":
                 loss.backward()
                 for name, value in step_stats.items():
                     stats[name].append(value)
-                if micro_step == 0:  # it runs the rollout's weights: the ratio is 1
+                if micro_step == 0:  # the rollout's weights: the ratio must be 1
                     on_policy_dev = (ratio - 1).abs().max().item()
-                    if on_policy_dev > args.clip_range / 10:  # they should be equal
-                        say(f"WARNING: the rollout's and training's forwards differ: "
-                            f"on-policy |ratio - 1| = {on_policy_dev:.2e}")
+                    if on_policy_dev > args.clip_range / 10:
+                        say(f"WARNING: on-policy |ratio - 1| = {on_policy_dev:.1e}")
                 micro_step += 1
                 if micro_step % accum_steps == 0:
-                    where = f"epoch {epoch}, step {global_step}"
                     grad_norm = optimizer_step(
-                        optimizer, params, args.max_grad_norm, world, loss, where,
-                        run_dir, args.full_finetune)
+                        optimizer, params, args.max_grad_norm, world, loss,
+                        f"epoch {epoch}, step {global_step}", run_dir, args.full_finetune)
                     global_step += 1
-                    # A warm-up: the early EMA follows the weights.
                     decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))
                     for ema, p in zip(ema_params, params):
                         ema.mul_(decay).add_(p.detach(), alpha=1 - decay)
@@ -1028,8 +1020,7 @@ if __name__ == "__main__":
             print(line + " (nan: a reward gave no number)" * ("nan" in line))
         if epoch + 1 == args.epochs:  # logged with the last epoch
             metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
-        # A LoRA's each epoch (preemption loses one at most), a full
-        # fine-tune's (tens of GB) every --save-every epochs and the last
+        # A full fine-tune's (tens of GB): every --save-every epochs, and the last
         saving = not args.full_finetune or (epoch + 1) % args.save_every == 0
         path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
         try:
