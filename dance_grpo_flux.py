@@ -3,8 +3,7 @@
 Paper: DanceGRPO, https://arxiv.org/abs/2505.07818
 Docs: docs/dance_grpo.md (recipes, metrics, the toy-world demo).
 
-The defaults: upstream's LoRA recipe (finetune_flux_grpo_8gpus_lora.sh, HPS v2.1;
-the paper's FLUX tables are `--full-finetune`'s), on any number of GPUs:
+The defaults: upstream's LoRA recipe (finetune_flux_grpo_8gpus_lora.sh, HPS v2.1):
     torchrun --nproc_per_node 8 dance_grpo_flux.py --train-prompts hpd/train.txt \
         --test-prompts hpd/test.txt
 
@@ -15,7 +14,6 @@ Provenance: XueZeyue/DanceGRPO@15cc71d, fastvideo/train_grpo_flux.py unless name
     LORA_TARGETS, the init   train_grpo_flux_lora.py
     shard_for_full_finetune  fastvideo/utils/fsdp_util.py (FSDP1 there)
     the EMA warm-up          yifan123/flow_grpo, flow_grpo/ema.py
-    dppo_keep                Flow-DPPO: Tencent-Hunyuan/UniRL@1a7b501
     sde_window, dpm_step     MixGRPO(-Flash): Tencent-Hunyuan/MixGRPO@e5cdd6a
 """
 
@@ -60,8 +58,8 @@ from torch.distributed.fsdp import fully_shard
 from tqdm import tqdm
 
 import rewards
-from sde import (dpm_step, dppo_keep, flash_sigmas, group_advantages, sde_step,
-                 sde_window, shift_sigmas, step_kl)
+from sde import (dpm_step, flash_sigmas, group_advantages, sde_step, sde_window,
+                 shift_sigmas)
 
 # ALGO LOGIC: what a researcher changes. TRY NOT TO MODIFY: plumbing; it
 # reads five names that ALGO LOGIC sets:
@@ -100,9 +98,9 @@ class Args:
     full_finetune: bool = False
     """train all weights (fp32, FSDP2-sharded) as the paper, not a LoRA"""
     lora_rank: int = 128
-    """LoRA rank on to_q/to_k/to_v/to_out.0 of every attention"""
+    """LoRA rank on to_q/to_k/to_v/to_out.0 of each attention; unused by --full-finetune"""
     lora_alpha: int = 256
-    """LoRA alpha (scale = alpha / rank)"""
+    """LoRA alpha (scale = alpha / rank); unused by --full-finetune"""
     train_prompts: str = "prompts/train.txt"
     """a prompt per line, or JSONL: `prompt` and fields for the reward"""
     test_prompts: str = "prompts/test.txt"
@@ -162,12 +160,8 @@ class Args:
     """each sample trains int((num_steps - 1) x this) random steps"""
     clip_range: float = 1e-4
     """PPO clip (tiny: log-probs are means over elements, sde.py)"""
-    trust_region: Literal["clip", "dppo"] = "clip"
-    """PPO's ratio clip, or Flow-DPPO's KL mask (sde.py dppo_keep)"""
-    dppo_threshold: float = 1e-5
-    """dppo: the step KL above which aggressive moves drop (UniRL's tau)"""
     adv_clip: float = 5.0
-    """advantages are clipped to +-adv_clip (not by dppo: UniRL's)"""
+    """advantages are clipped to +-adv_clip"""
     init_same_noise: bool = True
     """a group's images start from one initial latent"""
     ema_decay: float = 0.0
@@ -183,7 +177,6 @@ STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other val
 RANGES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: x >= 2,
           "> 0": lambda x: x > 0, "in [0, 1)": lambda x: 0 <= x < 1,
           "in (0, 1]": lambda x: 0 < x <= 1, "in [0, 1]": lambda x: 0 <= x <= 1}
-# The range of every number flag (of this script's own: ALGO_LIMITS)
 LIMITS = {"seed": ">= 0", "lora_rank": ">= 1", "lora_alpha": "> 0",
           "resolution": ">= 1", "eval_num_steps": ">= 1", "group_size": ">= 2",
           "eval_batch_size": ">= 1", "epochs": ">= 1", "learning_rate": ">= 0",
@@ -196,9 +189,8 @@ LIMITS = {"seed": ">= 0", "lora_rank": ">= 1", "lora_alpha": "> 0",
 # ALGO LOGIC: the ranges of this algorithm's flags, the sampler and the loss
 ALGO_LIMITS = {"shift": "> 0", "noise_level": ">= 0", "sde_window_size": ">= 0",
                "sde_window_range": ">= 0", "window_shift_every": ">= 1",
-               "window_stride": ">= 0", "flash_ratio": ">= 0",
-               "updates_per_epoch": ">= 1", "timestep_fraction": "in (0, 1]",
-               "clip_range": ">= 0", "dppo_threshold": ">= 0"}
+               "window_stride": ">= 0", "flash_ratio": ">= 0", "clip_range": ">= 0",
+               "updates_per_epoch": ">= 1", "timestep_fraction": "in (0, 1]"}
 STEP_STREAM = 1  # a seed key: the steps each sample trains
 GROUP_NOISE_STREAM = 2  # a seed key: a group's initial latent
 
@@ -211,7 +203,6 @@ class Rollout(NamedTuple):
     start: int  # the window's first step
     latents: torch.Tensor  # (B, K+1, L, 4C): x at its steps and after (K 0: None)
     log_probs: torch.Tensor  # (B, K): log-probs, means over elements (sde.py)
-    means: torch.Tensor  # (B, K, L, 4C): the steps' Gaussian means
     sample: torch.Tensor  # (B, L, 4C): the last step's x0_hat (scored)
 
 @torch.no_grad()
@@ -232,16 +223,15 @@ def rollout(velocity, noise, sigmas, window, noise_level, generator,
             continue
         x0_hat = x - sigmas[i] * v  # upstream scores the last step's
         kind = "dance" if start <= i < end else "ode"
-        x, log_prob, mean, _ = sde_step(v, x, sigmas[i], sigmas[i + 1], kind,
-                                        noise_level, generator=generator)
+        x, log_prob, _, _ = sde_step(v, x, sigmas[i], sigmas[i + 1], kind,
+                                     noise_level, generator=generator)
         if kind == "dance":
             kept["latents"].append(x)
             kept["log_probs"].append(log_prob)
-            kept["means"].append(mean)
     if start == end:  # MixGRPO's empty window: nothing to train
-        return Rollout(start, None, None, None, x0_hat)
-    names = ["latents", "log_probs", "means"]
-    return Rollout(start, *[torch.stack(kept[name], 1) for name in names], x0_hat)
+        return Rollout(start, None, None, x0_hat)
+    latents = torch.stack(kept["latents"], 1)
+    return Rollout(start, latents, torch.stack(kept["log_probs"], 1), x0_hat)
 
 def select_train_steps(batch: int, num_steps: int, fraction: float, generator):
     """(batch, K): each sample's own K random steps, never the last (as upstream)."""
@@ -249,31 +239,18 @@ def select_train_steps(batch: int, num_steps: int, fraction: float, generator):
     order = torch.rand(batch, candidates, generator=generator).argsort(dim=1)
     return order[:, : int(candidates * fraction)]
 
-def grpo_loss(*, log_prob, old_log_prob, advantages, mean, old_mean, std,
-              trust_region, clip_range, dppo_threshold, adv_clip, accum_steps):
-    """A sampling step's loss: (loss to backward, ratio, {statistic: float}).
-    (B,): log_prob, old_log_prob (now, at the rollout), advantages A. clip:
-    PPO's max(-A ratio, -A clip(ratio, 1 +- clip_range)), A clipped to +-adv_clip;
-    dppo: -A ratio where dppo_keep, by the KL to the rollout's step (old_mean)."""
-    stats = {}
+def grpo_loss(*, log_prob, old_log_prob, advantages, clip_range, adv_clip,
+              accum_steps):
+    """A step's PPO-clip loss: (it / accum_steps, the ratio, {statistic: float})."""
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
-    if trust_region == "dppo":  # UniRL clips no advantage
-        old_kl = step_kl(mean.detach(), old_mean, std)  # (B,)
-        keep = dppo_keep(ratio.detach(), advantages, old_kl, dppo_threshold)
-        stats["dppo_masked_frac"] = 1 - keep.float().mean().item()
-        stats["dppo_old_kl"] = old_kl.mean().item()
-        stats["dppo_old_kl_max"] = old_kl.max().item()
-        # A dropped term still counts in the mean, as upstream.
-        policy_loss = torch.where(keep, -advantages * ratio, 0.0).mean()
-    else:
-        advantages = advantages.clamp(-adv_clip, adv_clip)
-        clipped_ratio = ratio.clamp(1 - clip_range, 1 + clip_range)
-        policy_loss = torch.maximum(-advantages * ratio,
-                                    -advantages * clipped_ratio).mean()
-    stats["policy_loss"] = policy_loss.item()
-    stats["approx_kl"] = 0.5 * (log_ratio**2).mean().item()
-    stats["clipfrac"] = ((ratio - 1).abs() > clip_range).float().mean().item()
+    advantages = advantages.clamp(-adv_clip, adv_clip)
+    clipped_ratio = ratio.clamp(1 - clip_range, 1 + clip_range)
+    policy_loss = torch.maximum(-advantages * ratio,
+                                -advantages * clipped_ratio).mean()
+    stats = {"policy_loss": policy_loss.item(),
+             "approx_kl": 0.5 * (log_ratio**2).mean().item(),
+             "clipfrac": ((ratio - 1).abs() > clip_range).float().mean().item()}
     return policy_loss / accum_steps, ratio, stats
 
 # TRY NOT TO MODIFY: helpers, the SD3.5 scripts' where FLUX needs no other
@@ -335,9 +312,6 @@ def check_args(args) -> dict | None:
         tempfile.TemporaryFile(dir=args.output_dir).close()
     except OSError as error:
         fail(f"--output-dir {args.output_dir!r}: {error.strerror}")
-    lora_flags = (args.lora_rank, args.lora_alpha) != (Args.lora_rank, Args.lora_alpha)
-    if args.full_finetune and lora_flags:
-        fail("--full-finetune: no LoRA-only --lora-rank/--lora-alpha")
     try:  # the config files give the resolution's factor before the weights load
         vae = AutoencoderKL.load_config(args.model, subfolder="vae")
         dit = FluxTransformer2DModel.load_config(args.model, subfolder="transformer")
@@ -609,8 +583,7 @@ if __name__ == "__main__":
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        # cuDNN attention's backward crashed or gave NaN (FLUX, torch 2.11, H100)
-        torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)  # backward: NaN, crash (torch 2.11)
     if "RANK" in os.environ:  # set by torchrun
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         rank = dist.get_rank()
@@ -631,9 +604,8 @@ if __name__ == "__main__":
         fail(str(error))
     if len(train_prompts) < args.prompts_per_epoch and not args.eval_only:
         say("fewer than --prompts-per-epoch prompts: they are drawn with replacement")
-    # FSDP2's ranks run every forward together.
     eval_samples = len(test_prompts) * len(args.eval_seeds)
-    if args.full_finetune and eval_samples % world:
+    if args.full_finetune and eval_samples % world:  # FSDP2: every rank runs each forward
         fail(f"--full-finetune: {eval_samples} test prompts x eval seeds do not "
              f"split into {world} GPUs")
     images_per_epoch = args.prompts_per_epoch * args.group_size
@@ -646,8 +618,7 @@ if __name__ == "__main__":
     if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
         run_dir = os.path.dirname(parent)  # a resumed run goes on in its directory
 
-    # ALGO LOGIC: from images to optimizer steps. The defaults on 8 GPUs: 24 micro-batches
-    # of 1 per GPU, each training 6 of its first 11 steps: 2 updates of 12 x 6 micro-steps.
+    # ALGO LOGIC: from images to optimizer steps (defaults, 8 GPUs: 2 updates of 12 x 6)
     if num_batches % args.updates_per_epoch:
         fail(f"{num_batches} micro-batches per GPU per epoch do not split into "
              f"--updates-per-epoch {args.updates_per_epoch}")
@@ -701,13 +672,11 @@ if __name__ == "__main__":
                                   weight_decay=args.weight_decay)
     ema_params = [p.detach().clone() for p in params]
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    # FLUX packs 2x2 latent pixels into a token of 4x the channels.
-    grid_size = args.resolution // pipe.vae_scale_factor // 2
+    grid_size = args.resolution // pipe.vae_scale_factor // 2  # 2x2 latent pixels a token
     latent_shape = (grid_size**2, transformer.config.in_channels)
     img_ids = image_ids(grid_size, grid_size, device)
 
     def velocity(x, sigma, text: Text):
-        """The transformer's velocity at (x, sigma) for `text`."""
         with autocast:
             return predict_velocity(transformer, x, sigma, text, img_ids,
                                     args.guidance_scale)
@@ -854,8 +823,7 @@ if __name__ == "__main__":
         epoch_text = encode(pipe, epoch_prompts, device, args.max_sequence_length)
         sampling_start = clock(device)
 
-        # ALGO LOGIC: sampling. The epoch's images, shuffled alike on every rank: each
-        # rank samples its share, and a group (a prompt's images) spans ranks.
+        # ALGO LOGIC: sampling; images shuffled alike on all ranks: a group spans ranks
         group_ids = torch.arange(args.prompts_per_epoch)
         group_ids = group_ids.repeat_interleave(args.group_size)
         group_ids = group_ids[torch.randperm(images_per_epoch, generator=prompt_gen)]
@@ -874,7 +842,6 @@ if __name__ == "__main__":
             else:
                 noise = torch.randn((args.batch_size, *latent_shape),
                                     generator=noise_gen, device=device)
-            # shrink: MixGRPO's sliding window shrinks at B, then is empty
             window = sde_window(window_size, window_range, args.num_steps, noise_gen,
                                 epoch, args.window_shift_every, args.window_stride,
                                 args.window_roll_back, shrink=True)
@@ -916,8 +883,7 @@ if __name__ == "__main__":
                                  for group in range(args.prompts_per_epoch)])
         training_start = clock(device)
 
-        # ALGO LOGIC: training. A micro-step re-scores a stored step of each sample
-        # and backpropagates grpo_loss. MixGRPO's loss scale follows its window.
+        # ALGO LOGIC: training: re-score stored steps; the loss scale follows the window
         k = window[1] - window[0] if window_size else num_train_steps
         accum_steps = num_batches // args.updates_per_epoch * k
         my_advantages = advantages.to(device)
@@ -930,8 +896,7 @@ if __name__ == "__main__":
         rows = torch.arange(args.batch_size, device=device)
         progress = tqdm(batches, f"epoch {epoch} training", disable=quiet, leave=False)
         for (text, out), batch_advantages in zip(progress, my_advantages):
-            # (B, K): the window's steps, else random ones per sample.
-            steps = torch.arange(k).expand(args.batch_size, -1)
+            steps = torch.arange(k).expand(args.batch_size, -1)  # (B, K): the window's
             if window_size == 0:
                 steps = select_train_steps(args.batch_size, args.num_steps,
                                            args.timestep_fraction, step_gen)
@@ -943,15 +908,12 @@ if __name__ == "__main__":
                 x = out.latents[rows, step]
                 x_next = out.latents[rows, step + 1]  # the rollout's draw
                 v = velocity(x, sigma, text)
-                _, log_prob, mean, std = sde_step(v, x, sigma, sigma_next, "dance",
-                                                  args.noise_level, prev_sample=x_next)
+                _, log_prob, _, _ = sde_step(v, x, sigma, sigma_next, "dance",
+                                             args.noise_level, prev_sample=x_next)
                 loss, ratio, step_stats = grpo_loss(
                     log_prob=log_prob, old_log_prob=out.log_probs[rows, step],
-                    advantages=batch_advantages, mean=mean,
-                    old_mean=out.means[rows, step], std=std,
-                    trust_region=args.trust_region, clip_range=args.clip_range,
-                    dppo_threshold=args.dppo_threshold, adv_clip=args.adv_clip,
-                    accum_steps=accum_steps)
+                    advantages=batch_advantages, clip_range=args.clip_range,
+                    adv_clip=args.adv_clip, accum_steps=accum_steps)
                 loss.backward()
                 for name, value in step_stats.items():
                     stats[name].append(value)
@@ -1020,7 +982,6 @@ if __name__ == "__main__":
             print(line + " (nan: a reward gave no number)" * ("nan" in line))
         if epoch + 1 == args.epochs:  # logged with the last epoch
             metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
-        # A full fine-tune's (tens of GB): every --save-every epochs, and the last
         saving = not args.full_finetune or (epoch + 1) % args.save_every == 0
         path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
         try:

@@ -113,12 +113,14 @@ BAD = [
 @pytest.mark.parametrize("script", SD35_SCRIPTS + ["dance_grpo_flux.py"])
 def test_files_and_modes_that_cannot_work_fail_before_the_model_loads(tiny_sd3, tiny_flux,
                                                                        tmp_path, script):
-    """A file as --output-dir, a malformed JSONL prompt file, fp16 on CPU: one line each, no
-    run directory (a repeated flag: the last one counts, the harness reads the first)."""
+    """A file as --output-dir, a malformed JSONL prompt file, fp16 on CPU (FLUX: anywhere):
+    one line each, no run directory (a repeated flag: the last one counts, the harness reads the
+    first)."""
     model = tiny_flux if script.startswith("dance") else tiny_sd3
     flags = tiny_sd35_flags(configs_only(model, tmp_path), tmp_path / "out")
     if script == "awm_sd35.py":
         flags += ["--train-batch-size", "2"]
+    fp16 = "FLUX overflows in fp16" if script.startswith("dance") else "fp16 needs a GPU"
     (tmp_path / "a_file").write_text("")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a cat"}\n{"prompt": "a dog"\n')
     (tmp_path / "no_prompt.jsonl").write_text('{"text": "a cat"}\n')
@@ -126,7 +128,7 @@ def test_files_and_modes_that_cannot_work_fail_before_the_model_loads(tiny_sd3, 
             (["--output-dir", str(tmp_path / "a_file")], "a_file': File exists"),
             (["--train-prompts", str(tmp_path / "bad.jsonl")], "must be a JSON object with"),
             (["--test-prompts", str(tmp_path / "no_prompt.jsonl")], "with a 'prompt'"),
-            (["--mixed-precision", "fp16"], "fp16 needs a GPU")]:
+            (["--mixed-precision", "fp16"], fp16)]:
         assert_bad_input(script, flags + extra, message)
 
 

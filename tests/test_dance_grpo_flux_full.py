@@ -18,7 +18,7 @@ import dance_grpo_flux
 import rewards
 from dance_grpo_flux import (Args, contact_sheet, dance_sigmas, decode, encode, image_ids,
                              ode_sample, predict_velocity, seeded_generator)
-from scripts_harness import (PROMPTS, REPO, TOY_REWARD, assert_bad_input,
+from scripts_harness import (PROMPTS, REPO, TOY_REWARD, ModelLoaded, assert_bad_input,
                              assert_eval_only_reproduces, cut_back_copy, read_metrics, run_script,
                              script_env)
 from test_dance_grpo_flux import SCRIPT, tiny_flux_flags
@@ -208,9 +208,11 @@ def test_two_process_full_finetune_shards_and_exports(tiny_flux, tmp_path, base_
 
 
 def test_full_finetune_bad_input(tiny_flux, tmp_path, full_run):
-    """(fp16, refused for FLUX in every mode: test_dance_grpo_flux.py's bad-input cases.)"""
+    """(fp16, refused for FLUX in every mode: test_dance_grpo_flux.py's bad-input cases.)
+    --lora-rank and --lora-alpha are no error: a full fine-tune does not use them."""
     base = flags(tiny_flux, tmp_path / "out")
-    assert_bad_input(SCRIPT, base + ["--lora-alpha", "8"], "LoRA-only")
+    with pytest.raises(ModelLoaded):
+        assert_bad_input(SCRIPT, base + ["--lora-rank", "8", "--lora-alpha", "8"], "never reached")
     full_checkpoint = str(full_run[0] / "checkpoints" / "epoch_00002")
     mismatch = "needs the --full-finetune it was saved with"
     assert_bad_input(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path / "out") + [
