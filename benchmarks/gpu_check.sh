@@ -7,25 +7,26 @@
 #     bash benchmarks/gpu_check.sh --out "$OUT"                 # GPU machine, 540 s budget
 #     bash benchmarks/gpu_check.sh --arch tiny --out /tmp/gc    # CPU, tiny sizes
 #
-# Seconds per step. H100: estimates (no GPU was at hand; GPU_CHECK.md derives each from the H100
-# micro-benchmarks of RESULTS.md section 1). CPU tiny: measured with --arch tiny --budget 1800
-# --demo-jobs 1 on the 2-core development VM while other jobs loaded it (load average 5-6;
-# torch 2.13, OMP_NUM_THREADS=1, 2026-11-27): upper bounds, compiled steps with a cold cache.
+# Seconds per step. H100: measured in two calls on 2026-11-27 (benchmarks/GPU_CHECK.md), or an
+# estimate where a step did not finish or run. CPU tiny: measured with --arch tiny --budget 1800
+# --demo-jobs 1 on the 2-core development VM while other jobs loaded it (torch 2.13,
+# OMP_NUM_THREADS=1): upper bounds, compiled steps with a cold cache.
 #
-#   step             need (H100)  expected (H100, estimate)  CPU tiny (measured)
-#   wheels install   -            15                         -
-#   build-sd35       60           30-110 (disk-bound)        9
-#   grpo-compiled    150          180-300                    206
-#   grpo-eager       90           90-130                     25
-#   demos            60           150-300 (15 at once)       603 (15 runs, one at a time)
-#   ocr (reserved)   45           30-45                      28
-#   crd-compiled     150          150-250                    230
-#   nft-compiled     150          150-250                    237
-#   build-flux       90           40-160 (disk-bound)        15
-#   dance-compiled   180          200-400                    233
+#   step             need (H100)  H100                                      CPU tiny (measured)
+#   wheels install   -            17-24 (measured)                          -
+#   build-sd35       60           43 (measured)                             9
+#   grpo-compiled    150          192 (measured; 100 s of it compiling)     206
+#   grpo-eager       90           112 (measured)                            25
+#   demos            60           more than 300 (estimate; 15 at once)      603 (one at a time)
+#   ocr (reserved)   80           77 (measured)                             28
+#   crd-compiled     200          more than 159 (cut while compiling)       230
+#   nft-compiled     200          160-250 (estimate)                        237
+#   build-flux       90           40-160 (estimate, disk-bound)             15
+#   dance-compiled   180          200-400 (estimate)                        233
 #
-# In 540 s expect build-sd35, grpo-compiled and grpo-eager; the demos (cut at their deadline)
-# and ocr (45 s kept for it) share what is left; the rest is skipped with a line.
+# In 540 s expect build-sd35, grpo-compiled, grpo-eager and, in what is left, the start of the
+# demos and ocr. The rest needs a second call on the warm machine, e.g.
+#     bash benchmarks/gpu_check.sh --out "$OUT" --only ocr crd-compiled nft-compiled --budget 540
 set -uo pipefail
 export GPU_CHECK_STARTED="${GPU_CHECK_STARTED:-$(date +%s.%N)}"
 cd "$(dirname "$0")/.."
