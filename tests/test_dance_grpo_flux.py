@@ -315,12 +315,12 @@ LEARNING_FLAGS = ["--batch-size", "16", "--learning-rate", "1e-3", "--noise-leve
 
 
 def test_learning_toy_accuracy_rises(tmp_path):
-    # toy world, README's dance demo: held-out exact accuracy (strict counting) after 64 epochs
-    # rose by +0.062 (seed 42, this test: 0.417 -> 0.479), +0.052 (seed 1), +0.073 (seed 2); a
-    # run that changes nothing gains exactly 0. Margin: the gains' spread (std) over those
-    # seeds, 0.009. (At the paper's η 0.3, 1 update, no EMA: +0.042 / +0.042 / 0.000 at 48.)
+    # toy world, the dance demo: held-out exact accuracy (strict counting) on the reporting
+    # noise (eval seeds 100-115) after 64 epochs rose by +0.027 (seed 42, this test: 0.507 ->
+    # 0.534), +0.032 (seed 1), +0.035 (seed 2), each ± 0.018 (benchmarks/toy_demos.jsonl); a
+    # run that changes nothing gains exactly 0. The smallest margin of the five tests: 1.5 s.e.
     run_dir = learning_run(SCRIPT, LEARNING_FLAGS, tmp_path)
-    assert_accuracy_rose(read_metrics(run_dir), min_gain=0.0625 - 0.009)
+    assert_accuracy_rose(read_metrics(run_dir))
 
 
 @pytest.mark.parametrize("nproc", [1, 2])

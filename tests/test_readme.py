@@ -128,3 +128,29 @@ def test_every_launch_line_in_the_docs_names_real_flags():
         except SystemExit:
             bad.append(f"{name}: {script} {' '.join(flags)}")
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("script", PAGES)
+def test_learning_test_replays_the_demo(script):
+    """Each script's learning test trains the recipe its page's CPU demo prints: the same Args,
+    but for where the run writes, how often it evaluates and saves, on which eval noise, in what
+    batches (each sample's noise is seeded by its line and eval seed alone), and for how long (a
+    test may stop early: the first epochs of a run do not depend on --epochs)."""
+    import importlib
+
+    import tyro
+
+    from scripts_harness import TOY_FLUX, TOY_SD3, toy_flags
+    module = importlib.import_module(script[: -len(".py")])
+    tests = importlib.import_module("test_" + script[: -len(".py")])
+    model = TOY_FLUX if "flux" in script else TOY_SD3
+    ((_, *demo),) = demo_commands(PAGES[script])
+    replay = toy_flags(model, "OUT") + tests.LEARNING_FLAGS
+    ignored = {"output_dir", "eval_every", "save_every", "eval_seeds", "eval_batch_size"}
+    parsed = [vars(tyro.cli(module.Args, args=flags)) for flags in (demo, replay)]
+    demo_args, replay_args = [{key: value for key, value in args.items() if key not in ignored}
+                              for args in parsed]
+    model_path = replay_args.pop("model")
+    assert model_path.endswith(demo_args.pop("model")), (model_path, model)
+    assert replay_args.pop("epochs") <= demo_args.pop("epochs")
+    assert demo_args == replay_args

@@ -46,6 +46,7 @@ def test_two_tiny_runs_in_parallel_report_best_final_and_collapse(tmp_path, caps
     log = tmp_path / "runs.jsonl"
     args = toy_learning.Args(
         variants=["grpo"], seeds=[42, 1], images=16, eval_every=1, jobs=2, figure="",
+        eval_seeds=[100, 101],
         log=str(log), extra=["--group-size", "4", "--prompts-per-epoch", "2", "--batch-size", "8",
                              "--num-steps", "4", "--eval-num-steps", "2"])
     results = toy_learning.main(args)
@@ -61,6 +62,7 @@ def test_two_tiny_runs_in_parallel_report_best_final_and_collapse(tmp_path, caps
         assert r["base"] == accuracy[0] and r["final"] == accuracy[-1]
         assert r["best"] == max(accuracy) and r["collapse"] == r["final"] - r["best"] <= 0
         assert r["command"][r["command"].index("--seed") + 1] == str(r["seed"])
+        assert r["command"][-3:] == ["--eval-seeds", "100", "101"]  # the reporting noise
         assert r["diversity"] > 0
     row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| grpo |")]
     mean = lambda key: sum(r[key] for r in results) / 2  # noqa: E731
