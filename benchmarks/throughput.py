@@ -314,7 +314,7 @@ def setup(args, device, base_dtype):
     S.t_diffusers = timed(diffusers_call, args.repeats, device)
     steps = make_steps(args, S)
     count = device.type == "cuda"  # tiny CPU matmuls make a peak-based MFU meaningless
-    steps["rollout"]()  # sets S.latents / S.old_lp for the training steps
+    steps["rollout"]()  # sets S.rollout / S.old_lp for the training steps
     S.flops = {k: flops_of(fn) if count else None for k, fn in steps.items()}  # eager, no recompute
     for p in lora:
         p.grad = None
@@ -325,7 +325,7 @@ def setup(args, device, base_dtype):
 
 
 def make_steps(args, S):
-    """The three measured calls, reading the current S (rollout writes S.latents and S.old_lp)."""
+    """The three measured calls, reading the current S (rollout writes S.rollout and S.old_lp)."""
     tr, autocast, g = S.tr, S.autocast, args.guidance_scale
     text, negative = Text(S.embeds, S.pooled), Text(*S.neg)
 
@@ -334,16 +334,17 @@ def make_steps(args, S):
             return predict_velocity(tr, x, sigma, text, negative, guidance_scale)
 
     def ours():
-        window = (0, len(S.sigmas) - 1)
-        out = rollout(velocity, S.noise, S.sigmas, window, "flow", 0.7, S.gen)
-        S.latents, S.old_lp = out.latents, out.log_probs
-        return decode(S.pipe.vae, S.latents[:, -1])
+        every_step = range(len(S.sigmas) - 1)  # the SDE at every step, as full Flow-GRPO samples
+        out = rollout(velocity, S.noise, S.sigmas, every_step, "flow", 0.7, S.gen)
+        S.rollout, S.old_lp = out, out.log_probs
+        return decode(S.pipe.vae, out.sample)
 
     def grpo_step():
-        latents, sigmas = S.latents, S.sigmas
+        latents, sigmas = S.rollout.latents, S.sigmas
         v = velocity(latents[:, 0], sigmas[0])
         _, lp, mean, _ = sde_step(v, latents[:, 0], sigmas[0], sigmas[1], "flow", 0.7,
-                                  prev_sample=latents[:, 1], second_sigma=sigmas[1])
+                                  prev_sample=S.rollout.next_latents[:, 0],
+                                  second_sigma=sigmas[1])
         with torch.no_grad(), adapters_disabled(tr):
             v_ref = velocity(latents[:, 0], sigmas[0])
         loss = -torch.exp(lp - S.old_lp[:, 0]).mean() + ((v - v_ref) ** 2).mean()
@@ -351,7 +352,7 @@ def make_steps(args, S):
         return lp
 
     def forward_process_step():
-        xt = 0.5 * S.latents[:, -1] + 0.5 * S.noise
+        xt = 0.5 * S.rollout.sample + 0.5 * S.noise
         with torch.no_grad():
             v_old = velocity(xt, 0.5, 1.0)
             with adapters_disabled(tr):

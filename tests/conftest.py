@@ -29,11 +29,13 @@ def pytest_collection_modifyitems(config, items):
     (scripts_harness.LEARNING_RUNS): they take minutes and overlap the rest of the suite."""
     if config.option.collectonly:
         return
-    for item in items:
-        if item.name == LEARNING_TEST:
-            module = item.module
-            out = Path(tempfile.mkdtemp(prefix=f"learning-{module.SCRIPT[:-3]}-"))
-            start_learning_run(module.SCRIPT, module.LEARNING_FLAGS, out)
+    learning = [item for item in items if item.name == LEARNING_TEST]
+    for item in learning:
+        module = item.module
+        out = Path(tempfile.mkdtemp(prefix=f"learning-{module.SCRIPT[:-3]}-"))
+        start_learning_run(module.SCRIPT, module.LEARNING_FLAGS, out)
+    # their tests last: the rest of the suite runs while they train, instead of waiting on them
+    items[:] = [item for item in items if item.name != LEARNING_TEST] + learning
 
 
 def pytest_sessionfinish(session):
