@@ -8,6 +8,10 @@ from pathlib import Path
 
 # Before anything imports huggingface_hub: tests never touch the hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Before anything imports torch: one thread in this process too, as in every script it launches.
+# The background learning runs keep both cores busy; a second torch thread here only waits for
+# a core (the suite took 25 minutes on 2 cores with torch's default, 18.5 with one thread).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # `from tiny import ...` (tests dir) and `import grpo_sd35` etc. (repo root), without a
 # tests/__init__.py.
@@ -29,13 +33,11 @@ def pytest_collection_modifyitems(config, items):
     (scripts_harness.LEARNING_RUNS): they take minutes and overlap the rest of the suite."""
     if config.option.collectonly:
         return
-    learning = [item for item in items if item.name == LEARNING_TEST]
-    for item in learning:
-        module = item.module
-        out = Path(tempfile.mkdtemp(prefix=f"learning-{module.SCRIPT[:-3]}-"))
-        start_learning_run(module.SCRIPT, module.LEARNING_FLAGS, out)
-    # their tests last: the rest of the suite runs while they train, instead of waiting on them
-    items[:] = [item for item in items if item.name != LEARNING_TEST] + learning
+    for item in items:
+        if item.name == LEARNING_TEST:
+            module = item.module
+            out = Path(tempfile.mkdtemp(prefix=f"learning-{module.SCRIPT[:-3]}-"))
+            start_learning_run(module.SCRIPT, module.LEARNING_FLAGS, out)
 
 
 def pytest_sessionfinish(session):
