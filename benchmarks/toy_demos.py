@@ -17,7 +17,6 @@ Writes one JSON line per run to --log (benchmarks/toy_demos.jsonl) and prints th
 import argparse
 import json
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -29,15 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = {"grpo": "grpo_sd35.py", "nft": "nft_sd35.py", "awm": "awm_sd35.py",
            "crd": "crd_sd35.py", "dance": "dance_grpo_flux.py"}
 REPORTING = list(range(100, 116))  # never used to choose a recipe
-
-
-def demo_lines() -> dict[str, list[str]]:
-    """{script: flags} of the five CPU demo lines in docs/toy_world.md."""
-    text = (REPO / "docs" / "toy_world.md").read_text()
-    block = text.split("CPU demo", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
-    argvs = [shlex.split(line) for line in re.sub(r"\\\n\s*", " ", block).splitlines()
-             if line.strip().startswith("python ")]
-    return {argv[1]: argv[2:] for argv in argvs}
+sys.path.insert(0, str(REPO / "benchmarks"))
+from same_behaviour import readme_demos as demo_lines  # noqa: E402  (the five demo lines)
 
 
 def run(command: list[str], log: Path) -> None:
