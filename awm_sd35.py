@@ -31,12 +31,13 @@ import signal
 import sys
 import tempfile
 import time
+import warnings
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from functools import partial
-from typing import Literal, NamedTuple
+from typing import Annotated, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -84,7 +85,7 @@ class Args:
     resume: str | None = None
     """checkpoint to continue; `latest`: this exp-name and seed's newest"""
     eval_only: bool = False
-    """evaluate --resume's EMA (with its flags, but those given), or the base"""
+    """evaluate --resume's EMA (its flags but those given), or the base"""
     model: str = "stabilityai/stable-diffusion-3.5-medium"
     """hub id or local path of a diffusers StableDiffusion3Pipeline"""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
@@ -93,9 +94,9 @@ class Args:
     """recompute activations in backward (less memory, ~30% slower)"""
     compile: bool = torch.cuda.is_available()
     """torch.compile each transformer block (~2x faster; on with CUDA)"""
-    lora_rank: int = 32
+    lora_rank: Annotated[int, ">= 1"] = 32
     """LoRA rank on the 8 joint-attention projections of every block"""
-    lora_alpha: int = 64
+    lora_alpha: Annotated[int, "> 0"] = 64
     """LoRA alpha (scale = alpha / rank)"""
     train_prompts: str = "prompts/train.txt"
     """a prompt per line, or JSONL: `prompt` and fields for the reward"""
@@ -109,28 +110,30 @@ class Args:
     """normalise the rewards' weighted sum, or each, then sum (GDPO)"""
     per_group_std: bool = False
     """advantages / their group's std, not the epoch's (upstream's)"""
-    resolution: int = 512
+    resolution: Annotated[int, ">= 1"] = 512
     """image height and width in pixels"""
-    eval_num_steps: int = 40
+    eval_num_steps: Annotated[int, ">= 1"] = 40
     """Euler ODE steps of eval"""
-    group_size: int = 24
+    group_size: Annotated[int, ">= 2"] = 24
     """images per prompt (a group; its mean reward is the baseline)"""
-    eval_batch_size: int = 8
+    eval_batch_size: Annotated[int, ">= 1"] = 8
     """per-GPU eval batch"""
-    epochs: int = 1000
+    epochs: Annotated[int, ">= 1"] = 1000
     """epochs to train (each: sample, score, update)"""
     learning_rate: float = 3e-4
     """AdamW learning rate (constant)"""
     weight_decay: float = 1e-4
     """AdamW weight decay"""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, "> 0"] = 1.0
     """gradient-norm clip"""
     eval_seeds: tuple[int, ...] = (42,)
     """eval noise: a sample per test prompt and seed (tune on others)"""
+    checkpoints_total_limit: Annotated[int | None, ">= 1"] = None
+    """keep the newest N of the --save-every grid (None: all)"""
     # Algorithm-specific arguments (defaults: the paper's OCR run)
-    max_sequence_length: int = 128
+    max_sequence_length: Annotated[int, ">= 1"] = 128
     """T5 tokens per prompt"""
-    num_steps: int = 14
+    num_steps: Annotated[int, ">= 1"] = 14
     """rollout steps; training timesteps come from the same SD3 grid"""
     guidance_scale: float = 1.0
     """CFG scale of rollouts, training and eval (1: no CFG, as upstream)"""
@@ -140,32 +143,32 @@ class Args:
     """SA-Solver's tau (0: ODE); flow_sde: sde.py's noise level a"""
     tau_window: tuple[float, float] = (0.3, 0.9)
     """SA-Solver steps into a sigma in this range have tau --noise-level, others 0"""
-    prompts_per_epoch: int = 72
+    prompts_per_epoch: Annotated[int, ">= 1"] = 72
     """prompts (groups) per epoch, over all GPUs"""
-    batch_size: int = 6
+    batch_size: Annotated[int, ">= 1"] = 6
     """per-GPU rollout batch"""
-    train_batch_size: int = 3
+    train_batch_size: Annotated[int, ">= 1"] = 3
     """per-GPU training micro-batch; a forward is train_timesteps x this wide"""
-    ema_decay: float = 0.99
+    ema_decay: Annotated[float, "in [0, 1)"] = 0.99
     """EMA decay of the LoRA used for eval and the saved `ema_lora` (0: off)"""
-    train_timesteps: int = 6
+    train_timesteps: Annotated[int, ">= 1"] = 6
     """K: timesteps per micro-batch, one per stratum, shared by its samples"""
     time_type: Literal["discrete_wo_init", "discrete"] = "discrete_wo_init"
     """strata from grid index 1 (never sigma = 1) or 0 (stratified_timestep_indices)"""
-    timestep_fraction: float = 0.9
+    timestep_fraction: Annotated[float, "in (0, 1]"] = 0.9
     """train on this fraction of the grid (its least noisy steps are left out)"""
-    adv_clip: float = 5.0
+    adv_clip: Annotated[float, "> 0"] = 5.0
     """advantages are clipped to +-adv_clip, then scaled to [-1, 1]"""
     kl_beta: float = 0.003
     """weight of the KL to the base model (the LoRA switched off)"""
     anchor_beta: float = 1.0
     """weight of the KL to the anchor, a trailing LoRA copy (upstream's `ema_beta`)"""
-    eval_every: int = 20
+    eval_every: Annotated[int, ">= 1"] = 20
     """evaluate every N epochs (and after the last; GenEval, PickScore: 50)"""
-    save_every: int = 20
+    save_every: Annotated[int, ">= 1"] = 20
     """checkpoint every N epochs (and after the last; GenEval, PickScore: 50)"""
 
-# TRY NOT TO MODIFY: what --resume must match, the range of every number flag
+# TRY NOT TO MODIFY: the LoRA's layers, what --resume must match, ranges
 # The joint-attention projections of every MMDiT block, as flow_grpo, NFT and AWM
 LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj",
                 "attn.to_add_out", "attn.to_k", "attn.to_out.0", "attn.to_q",
@@ -174,20 +177,8 @@ STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other val
 RANGES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: x >= 2,
           "> 0": lambda x: x > 0, "in [0, 1)": lambda x: 0 <= x < 1,
           "in (0, 1]": lambda x: 0 < x <= 1, "in [0, 1]": lambda x: 0 <= x <= 1}
-# The range of every number flag (of this script's own: ALGO_LIMITS)
-LIMITS = {"seed": ">= 0", "lora_rank": ">= 1", "lora_alpha": "> 0",
-          "resolution": ">= 1", "eval_num_steps": ">= 1", "group_size": ">= 2",
-          "eval_batch_size": ">= 1", "epochs": ">= 1", "learning_rate": ">= 0",
-          "weight_decay": ">= 0", "max_grad_norm": "> 0", "eval_seeds": ">= 0",
-          "max_sequence_length": ">= 1", "num_steps": ">= 1",
-          "guidance_scale": ">= 0", "prompts_per_epoch": ">= 1",
-          "batch_size": ">= 1", "adv_clip": "> 0", "kl_beta": ">= 0",
-          "ema_decay": "in [0, 1)", "eval_every": ">= 1", "save_every": ">= 1"}
 
-# ALGO LOGIC: the ranges of this algorithm's flags, the samplers and the loss
-ALGO_LIMITS = {"noise_level": ">= 0", "tau_window": ">= 0",
-               "train_batch_size": ">= 1", "train_timesteps": ">= 1",
-               "timestep_fraction": "in (0, 1]", "anchor_beta": ">= 0"}
+# ALGO LOGIC: the samplers and the loss
 
 @torch.no_grad()
 def sa_solver_sample(velocity, scheduler, noise, sigmas, tau, tau_window,
@@ -297,24 +288,24 @@ def say(message: str):
         print(message, flush=True)
 
 def check_ranges(args):
-    """Every number flag is finite and in its range (LIMITS, ALGO_LIMITS)."""
+    """Every number flag is finite and >= 0, or in its annotated range."""
     for field in fields(args):
         value = getattr(args, field.name)
-        allowed = (LIMITS | ALGO_LIMITS).get(field.name)
+        allowed = getattr(field.type, "__metadata__", [">= 0"])[0]
         flag = "--" + field.name.replace("_", "-")
         for number in value if isinstance(value, tuple) else [value]:
             if isinstance(number, float) and not math.isfinite(number):
                 fail(f"{flag} must be a finite number, got {number}")
-            if allowed and number is not None and not RANGES[allowed](number):
+            if isinstance(number, (int, float)) and not RANGES[allowed](number):
                 fail(f"{flag} must be {allowed}, got {value}")
 
 def check_args(args) -> dict | None:
     """Checks that need no weights; the checkpoint's state if resuming."""
     state = None
-    if args.resume == "latest":  # e.g. torchrun --max-restarts: start, or continue
+    if args.resume == "latest":  # torchrun --max-restarts: start or go on
         runs = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__*")
         saves = glob.glob(os.path.join(runs, "checkpoints", "epoch_*"))
-        args.resume = None  # runs sort by start time, then epoch: the newest good one
+        args.resume = None  # sorted by start time, then epoch
         for save in sorted(saves, reverse=True):
             state = load_state(save)
             if isinstance(state, dict):
@@ -341,7 +332,7 @@ def check_args(args) -> dict | None:
         tempfile.TemporaryFile(dir=args.output_dir).close()
     except OSError as error:
         fail(f"--output-dir {args.output_dir!r}: {error.strerror}")
-    try:  # the config files give the resolution's factor before the weights load
+    try:  # configs only: the resolution's factor, before the weights
         vae = AutoencoderKL.load_config(args.model, subfolder="vae")
         dit = SD3Transformer2DModel.load_config(args.model, subfolder="transformer")
     except Exception as error:
@@ -370,7 +361,7 @@ def check_args(args) -> dict | None:
     return state
 
 def load_state(save: str) -> dict | str:
-    """A checkpoint's state if it matches its checksum (written last), else why not."""
+    """A checkpoint's state if its checksum (written last) matches, else why."""
     try:
         with open(os.path.join(save, "state.pt"), "rb") as file:
             data = file.read()
@@ -383,7 +374,7 @@ def load_state(save: str) -> dict | str:
     return torch.load(io.BytesIO(data), map_location="cpu")
 
 def load_prompts(path: str) -> tuple[list[str], list[dict]]:
-    """A prompt per line, or JSONL with a `prompt`: the prompts, their metadata."""
+    """A prompt per line, or JSONL with a `prompt`: prompts and metadata."""
     if not os.path.isfile(path):
         fail(f"prompt file {path!r} does not exist (docs/usage.md: prompt sets)")
     with open(path, encoding="utf-8-sig") as file:  # a BOM is no part of a prompt
@@ -439,7 +430,7 @@ def predict_velocity(transformer, x, sigma, text: Text, negative: Text,
 
 @torch.no_grad()
 def ode_sample(velocity, noise, sigmas) -> torch.Tensor:
-    """Euler ODE along sigmas: eval's sampler in every script, so evals compare."""
+    """Euler ODE along sigmas: every script's eval sampler, so evals compare."""
     x = noise.float()
     for i in range(len(sigmas) - 1):
         v = velocity(x, sigmas[i])
@@ -454,7 +445,7 @@ def decode(vae, latents) -> torch.Tensor:
 
 def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where,
                    run_dir):
-    """All-reduce, unscale, clip, check and step; the gradient norm before the clip."""
+    """All-reduce, unscale, clip, check, step: the grad norm before the clip."""
     if world > 1:
         flat = torch.nn.utils.parameters_to_vector(p.grad for p in params)
         dist.all_reduce(flat)
@@ -494,11 +485,13 @@ def save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
         file.write(hashlib.sha256(state.getvalue()).hexdigest())
     os.rename(tmp, path)
 
-def prune_checkpoints(run_dir: str, current: str, save_every: int):
-    """Drop the checkpoints but current that are not on the --save-every grid."""
-    for save in glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")):
-        if save != current and int(save[-5:]) % save_every:
-            shutil.rmtree(save)
+def prune_checkpoints(run_dir: str, current: str, save_every: int, limit: int | None):
+    """Keep current and the newest `limit` (None: all) on the --save-every grid."""
+    saves = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
+    grid = [save for save in saves if int(save[-5:]) % save_every == 0]
+    kept = set(grid[-limit:] if limit else grid) | {current}
+    for save in set(saves) - kept:
+        shutil.rmtree(save)
 
 def last_checkpoint(run_dir: str) -> str:
     saves = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
@@ -525,8 +518,8 @@ def adapters_disabled(transformer):
         transformer.enable_adapters()
 
 def prepare_run_dir(run_dir: str, start_epoch: int):
-    """Go on at start_epoch: drop crashed saves, and the checkpoints and metrics of
-    the epochs it redoes; replace metrics.jsonl whole, without a cut-off line."""
+    """Go on at start_epoch: drop crashed saves and the epochs it redoes (checkpoints,
+    metrics); metrics.jsonl is rewritten whole, minus a cut-off line."""
     folder = os.path.join(run_dir, "checkpoints")
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
         if name[0] == "." or int(name[-5:]) > start_epoch:  # hidden: a crashed save
@@ -565,36 +558,34 @@ def clock(device) -> float:
     return time.perf_counter()
 
 def check_finite(where: str, run_dir: str, **values):
-    """Stop with a line naming the first non-finite value and the last checkpoint."""
+    """Stop, naming the first non-finite value and the last checkpoint."""
     for name, value in values.items():
         if not torch.isfinite(torch.as_tensor(value)).all():
             fail(f"non-finite {name} at {where}; stopping. Last checkpoint: "
                  f"{last_checkpoint(run_dir)}")
 
 if __name__ == "__main__":
-    # TRY NOT TO MODIFY: input checks, rewards, run directory, before the model loads
+    # TRY NOT TO MODIFY: input checks and rewards, before the model loads
     args = tyro.cli(Args, description=__doc__.split("\n\n")[0])
     state = check_args(args)
     train_prompts, train_meta = [], []  # --eval-only trains on none
     if not args.eval_only:
         train_prompts, train_meta = load_prompts(args.train_prompts)
     test_prompts, test_meta = load_prompts(args.test_prompts)
-    rank = 0
-    world = 1
+    rank = int(os.environ.get("RANK", 0))  # torchrun's
+    world = int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     if "RANK" in os.environ:  # set by torchrun
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        rank = dist.get_rank()
-        world = dist.get_world_size()
     quiet = rank != 0 or not sys.stderr.isatty()  # bars on rank 0's terminal
     if quiet:  # the model-loading bars too
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
     diffusers.utils.logging.set_verbosity_error()  # e.g. every truncated prompt
-    try:  # a bad reward file, or a reward server not answering, fails here
+    try:  # a bad reward file or a silent server fails here
         rewards.check_prompts(args.reward, train_prompts)
         rewards.check_prompts(args.eval_reward or args.reward, test_prompts)
         reward_fn = rewards.build_reward(args.reward, device=device)
@@ -603,8 +594,6 @@ if __name__ == "__main__":
             eval_reward_fn = rewards.build_reward(args.eval_reward, device=device)
     except ValueError as error:
         fail(str(error))
-    if len(train_prompts) < args.prompts_per_epoch and not args.eval_only:
-        say("fewer than --prompts-per-epoch prompts: they are drawn with replacement")
     images_per_epoch = args.prompts_per_epoch * args.group_size
     if images_per_epoch % (world * args.batch_size):
         fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split "
@@ -614,7 +603,7 @@ if __name__ == "__main__":
     run_dir = None  # a new run's is made once the model has loaded
     parent = os.path.dirname(os.path.abspath(args.resume or "."))
     if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
-        run_dir = os.path.dirname(parent)  # a resumed run goes on in its directory
+        run_dir = os.path.dirname(parent)  # a resume goes on in its run
 
     # ALGO LOGIC: from images to optimizer steps. The defaults on 8 GPUs: 72 prompts x
     # 24 images = 1728, 216 per GPU, sampled in 36 batches of 6, trained in 72 micro-
@@ -639,10 +628,8 @@ if __name__ == "__main__":
     pipe = StableDiffusion3Pipeline.from_pretrained(
         args.model, dtype={"default": dtype, "vae": torch.float32}).to(device)
     transformer = pipe.transformer
-    for module in pipe.components.values():
-        if isinstance(module, torch.nn.Module):
-            module.requires_grad_(False)
-    torch.manual_seed(args.seed)  # the LoRA's init, the same on every rank
+    transformer.requires_grad_(False)  # the LoRA alone trains
+    torch.manual_seed(args.seed)  # the LoRA init, alike on all ranks
     transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
                                        init_lora_weights="gaussian",
                                        target_modules=LORA_TARGETS))
@@ -695,8 +682,8 @@ if __name__ == "__main__":
         global_step = state["global_step"]
     if rank == 0 and run_dir is None:  # made only now: a failed start leaves none
         name = f"{args.exp_name}__{args.seed}__{int(time.time())}_"
-        run_dir = tempfile.mkdtemp(prefix=name, dir=args.output_dir)  # its run's alone
-        os.chmod(run_dir, 0o755)  # readable by others, as makedirs would make it
+        run_dir = tempfile.mkdtemp(prefix=name, dir=args.output_dir)  # unique
+        os.chmod(run_dir, 0o755)  # mkdtemp's is private
     shared = [run_dir]
     if world > 1:
         dist.broadcast_object_list(shared, src=0)
@@ -734,9 +721,12 @@ if __name__ == "__main__":
             wandb.log(metrics | sheets, step=epoch)
 
     @torch.no_grad()
-    def run_eval(epoch: int, prefix: str = "eval/") -> dict:
-        """Score the EMA's ODE samples (EMA 0: the LoRA), one per test prompt i and eval
-        seed s, from noise seeded (s, i): the same on any GPU count."""
+    def run_eval(epoch: int, prefix: str = "eval/", saved: str | None = None) -> dict:
+        """Score ODE samples of the EMA (EMA 0: the LoRA) or of the LoRA folder `saved`,
+        loaded as users do: a sample per test prompt i and eval seed s, noise (s, i)."""
+        if saved:
+            with warnings.catch_warnings(action="ignore"):
+                pipe.load_lora_weights(saved, adapter_name="saved")
         items = [(i, seed) for seed in args.eval_seeds for i in range(len(test_prompts))]
         by_prompt = {}  # test prompt -> its items
         for item in items:
@@ -756,13 +746,18 @@ if __name__ == "__main__":
             text = encode(pipe, prompts, device, args.max_sequence_length)
             with swapped(lora_params, ema_params):
                 final = ode_sample(partial(velocity, text=text), noise, eval_sigmas)
+                moved = velocity(noise, eval_sigmas[0], text)
+            with adapters_disabled(transformer):  # for the drift
+                base = velocity(noise, eval_sigmas[0], text)
+            drift = (moved - base).flatten(1).norm(dim=1)
+            drift = drift / base.flatten(1).norm(dim=1)  # relative, per sample
             images = decode(pipe.vae, final)
             meta = [test_meta[i] for i, _ in batch]
             try:
                 batch_scores, info = eval_reward_fn(images.cpu(), prompts, meta)
             except rewards.RewardError as error:
                 stop(f"error: {error} in the eval after {epoch} epochs")
-            columns = {"reward_mean": batch_scores, **info}
+            columns = {"reward_mean": batch_scores, "lora_drift": drift, **info}
             pixels = images.permute(0, 2, 3, 1).cpu().numpy() * 255
             pixels = pixels.round().astype(np.uint8)
             small = torch.nn.functional.interpolate(images, size=32, mode="area")
@@ -795,6 +790,8 @@ if __name__ == "__main__":
             contact_sheet(labelled).save(path)
             name = args.eval_reward or args.reward
             print(f"eval after {epoch} epochs: {name} = {means['reward_mean']:.4f}")
+            if epoch and not means["lora_drift"]:
+                print("WARNING: eval/lora_drift is 0: does the LoRA train?")
             means["sheet"] = os.path.basename(path)  # in the run directory
         return {prefix + name: value for name, value in means.items()}
 
@@ -805,7 +802,7 @@ if __name__ == "__main__":
         epoch_start = clock(device)
         metrics = run_eval(epoch) if epoch % args.eval_every == 0 else {}
         text_start = clock(device)
-        # The same prompts on every rank: distinct ones, if the file has enough.
+        # The same prompts on every rank: distinct, if the file has enough.
         prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
         num_prompts = len(train_prompts)
         if num_prompts >= args.prompts_per_epoch:
@@ -941,11 +938,11 @@ if __name__ == "__main__":
                    f"anchor {metrics['losses/anchor_kl']:.3e} "
                    f"| fm {metrics['losses/fm_loss']:.3e}")
 
-        # TRY NOT TO MODIFY: shared metrics, the line, checkpoint, final eval, card
+        # TRY NOT TO MODIFY: shared metrics, the line, checkpoint, final eval
         epoch_end = clock(device)
         epoch_seconds = epoch_end - epoch_start
         compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        # Peak memory: the process's (Linux reports KiB), or the GPU's.
+        # Peak memory: the process's (KiB on Linux) or the GPU's.
         max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
         if device.type == "cuda":
             max_mem_gb = torch.cuda.max_memory_allocated(device) / 1e9
@@ -977,17 +974,19 @@ if __name__ == "__main__":
                 line += (f" | eval {metrics['eval/reward_mean']:.4f} ± "
                          f"{metrics['eval/reward_stderr']:.4f}")
             print(line + " (nan: a reward gave no number)" * ("nan" in line))
-        if epoch + 1 == args.epochs:  # logged with the last epoch
-            metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
         path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
-        try:  # saved each epoch: a preemption loses at most the epoch under way
-            log(metrics, epoch)
+        try:  # each epoch: a preemption loses one at most
             if rank == 0:
                 save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
                                 optimizer, epoch + 1, global_step, args)
-                prune_checkpoints(run_dir, path, args.save_every)
+                prune_checkpoints(run_dir, path, args.save_every,
+                                  args.checkpoints_total_limit)
             if world > 1:
                 dist.barrier()
+            if epoch + 1 == args.epochs:  # the file's score, not the memory's
+                saved = os.path.join(path, "ema_lora")
+                metrics.update(run_eval(epoch + 1, "eval/final_", saved))
+            log(metrics, epoch)
         except (OSError, SafetensorError) as error:
             stop(f"error: {error} (saving epoch {epoch + 1})")
     executor.shutdown()
