@@ -3,7 +3,7 @@
 Paper: AWM, https://arxiv.org/abs/2509.25050
 Docs: docs/awm.md (recipes, metrics, the toy-world demo).
 
-The defaults are the paper's OCR run (upstream config/dgx_awm.py::ocr_sd3_no_cfg_1node),
+Defaults: the paper's OCR run (upstream config/dgx_awm.py::ocr_sd3_no_cfg_1node),
 on any number of GPUs:
     torchrun --nproc_per_node 8 awm_sd35.py --train-prompts ocr/train.txt \
         --test-prompts ocr/test.txt
@@ -605,9 +605,9 @@ if __name__ == "__main__":
     if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
         run_dir = os.path.dirname(parent)  # a resume goes on in its run
 
-    # ALGO LOGIC: from images to optimizer steps. The defaults on 8 GPUs: 72 prompts x
+    # ALGO LOGIC: from images to optimizer steps. Defaults on 8 GPUs: 72 prompts x
     # 24 images = 1728, 216 per GPU, sampled in 36 batches of 6, trained in 72 micro-
-    # batches (accum_steps) of 3 samples x K = 6 timesteps: 1 optimizer step an epoch.
+    # batches (accum_steps) of 3 samples x K = 6 timesteps: 1 update/epoch.
     if local_images % args.train_batch_size:
         fail(f"{local_images} images per GPU per epoch do not split into "
              f"--train-batch-size {args.train_batch_size}")
@@ -662,7 +662,7 @@ if __name__ == "__main__":
     sigmas = pipe.scheduler.sigmas.float()  # (T+1,) 1 to 0: rollouts, training
     pipe.scheduler.set_timesteps(args.eval_num_steps, device=device)
     eval_sigmas = pipe.scheduler.sigmas.float()
-    # The anchor: a trailing copy of the LoRA, which anchor_beta's KL keeps it near.
+    # The anchor: a trailing copy of the LoRA; anchor_beta's KL keeps it near.
     anchor_params = [p.detach().clone() for p in lora_params]
     snapshots = {"anchor": anchor_params}
     solver = SASolverScheduler(use_flow_sigmas=True, prediction_type="flow_prediction",
@@ -825,7 +825,7 @@ if __name__ == "__main__":
         my_groups = group_ids.view(world, num_batches, args.batch_size)[rank]
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
         transformer.eval()
-        batch_samples = []  # the clean latents (B, C, h, w) of each rollout batch
+        batch_samples = []  # each rollout batch's clean latents (B, C, h, w)
         futures = []  # their rewards
         for groups in tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet,
                            leave=False):
@@ -886,12 +886,13 @@ if __name__ == "__main__":
                                disable=quiet, leave=False):
             step_ids = stratified_timestep_indices(
                 num_train_steps, args.train_timesteps, args.time_type, train_gen)
-            # (K*B,) timestep-major: K blocks of the B samples, one timestep each
+            # (K*B,) timestep-major: K blocks of B samples, a timestep each
             rows = sample_ids.repeat(args.train_timesteps)
             sigma = sigmas[step_ids.to(device)].repeat_interleave(len(sample_ids))
             x0 = samples[rows]  # (K*B, C, h, w)
             noise = torch.randn(x0.shape, generator=train_gen, device=device)
-            x_t = (1 - sigma.view(-1, 1, 1, 1)) * x0 + sigma.view(-1, 1, 1, 1) * noise
+            t = sigma.view(-1, 1, 1, 1)
+            x_t = (1 - t) * x0 + t * noise
             text = Text(my_text.embeds[rows], my_text.pooled[rows])
             v_base = None  # the base model's, for the KL
             if args.kl_beta > 0:
@@ -905,13 +906,14 @@ if __name__ == "__main__":
             # ghuber weighting, power 0.25: upstream's
             log_prob = awm_log_prob(v, x0, noise, sigma)
             loss, step_stats = awm_loss(
-                log_prob=log_prob, advantages=my_advantages[rows], v=v, v_base=v_base,
-                v_anchor=v_anchor, adv_clip=args.adv_clip, kl_beta=args.kl_beta,
+                log_prob=log_prob, advantages=my_advantages[rows],
+                v=v, v_base=v_base, v_anchor=v_anchor,
+                adv_clip=args.adv_clip, kl_beta=args.kl_beta,
                 anchor_beta=args.anchor_beta, accum_steps=accum_steps)
             scaler.scale(loss).backward()
             for name, value in step_stats.items():
                 stats[name].append(value)
-            fm_loss = ((v.detach() - (noise - x0)) ** 2).mean()  # unweighted, for the log
+            fm_loss = ((v.detach() - (noise - x0)) ** 2).mean()  # unweighted, logged
             stats["fm_loss"].append(fm_loss.item())
         grad_norm = optimizer_step(
             optimizer, scaler, lora_params, args.max_grad_norm, world, loss,

@@ -1,11 +1,11 @@
 """Centered Reward Distillation on Stable Diffusion 3.5 Medium: the LoRA's implicit
-reward, centered per prompt, regressed onto the centered advantages.
+reward, centered per prompt, regressed on the centered advantages.
 
 Paper: Centered Reward Distillation (CRD), https://arxiv.org/abs/2603.14128
 Docs: docs/crd.md (recipes, metrics, the toy-world demo).
 
-The defaults are the paper's OCR run (Table 3, as upstream's PR #121 maps it), on
-any number of GPUs:
+Defaults: the paper's OCR run (Table 3, as upstream's PR #121 maps it), on any
+number of GPUs:
     torchrun --nproc_per_node 8 crd_sd35.py --train-prompts ocr/train.txt \
         --test-prompts ocr/test.txt
 
@@ -16,7 +16,7 @@ trainers/crd.py, unless named.
     sigma_grid           set_scheduler_timesteps
     train_timesteps      utils/noise_schedule.py, TimeSampler.discrete
     crd_implicit_reward  optimize(), step 4
-    crd_loss             _compute_crd_loss, and optimize()'s steps 5 to 7
+    crd_loss             _compute_crd_loss and optimize()'s steps 5 to 7
     the EMA              start(): ema_step(epoch); ema/ema.py, EMAModuleWrapper
 """
 
@@ -135,7 +135,7 @@ class Args:
     max_sequence_length: Annotated[int, ">= 1"] = 256
     """T5 tokens per prompt"""
     num_steps: Annotated[int, ">= 1"] = 10
-    """Euler ODE steps per rollout (their sigmas are the training timesteps)"""
+    """Euler ODE steps per rollout (their sigmas: the training timesteps)"""
     guidance_scale: float = 1.0
     """CFG scale of rollouts, training and eval (1: CRD trains without CFG)"""
     prompts_per_epoch: Annotated[int, ">= 1"] = 48
@@ -145,24 +145,24 @@ class Args:
     updates_per_epoch: Annotated[int, ">= 1"] = 2
     """optimizer steps per epoch"""
     num_train_timesteps: Annotated[int, ">= 1"] = 20
-    """timesteps per micro-batch (shared by its images), stratified over the grid"""
+    """timesteps per micro-batch (shared by its images), stratified on the grid"""
     adv_clip: Annotated[float, "> 0"] = 5.0
-    """advantages are clipped to +-adv_clip, then mapped to [0, 1] (see crd_loss)"""
+    """advantages: clipped to +-adv_clip, mapped to [0, 1] (see crd_loss)"""
     crd_beta: Annotated[float, "> 0"] = 1.0
-    """implicit-reward scale in the regression crd_beta (r - r_mean) ~ a - a_mean"""
+    """implicit-reward scale: regress crd_beta (r - r_mean) on a - a_mean"""
     # Table 3's decay schedules (snapshot_decay): the old snapshot lags the LoRA
     # by 25% at first, then more, to 0.999 (almost frozen) by step 150; the
     # sampler is the LoRA (on-policy) for 75 steps, then lags, to 0.999 by 208.
     old_decay: tuple[int, float, float, float] = (0, 0.25, 0.005, 0.999)
     """decays S v0 k vmax of the old snapshot, the implicit reward's reference"""
     sampling_decay: tuple[int, float, float, float] = (75, 0.0, 0.0075, 0.999)
-    """schedule of the snapshot that rolls out (decay 0: a copy, on-policy)"""
+    """schedule of the rollout snapshot (decay 0: a copy, on-policy)"""
     kl_beta: float = 0.1
-    """weight of the KL to the base model with CFG --kl-cfg (see crd_loss)"""
+    """weight of the KL to the base model at CFG --kl-cfg (see crd_loss)"""
     kl_cfg: float = 4.5
     """CFG scale of the KL teacher (the base model as used at inference)"""
     ema_decay: Annotated[float, "in [0, 1)"] = 0.995
-    """EMA decay of the LoRA used for eval and the saved `ema_lora` (0: off)"""
+    """EMA decay of the LoRA for eval and the saved `ema_lora` (0: off)"""
     ema_every: Annotated[int, ">= 1"] = 10
     """the EMA moves every N epochs, its warm-up counts epochs"""
     eval_every: Annotated[int, ">= 1"] = 20
@@ -181,11 +181,11 @@ RANGES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: 
           "in (0, 1]": lambda x: 0 < x <= 1, "in [0, 1]": lambda x: 0 <= x <= 1}
 
 # ALGO LOGIC: its schedules and the loss
-# crd_beta > 0: the policy loss is divided by it (and a negative one would push
+# crd_beta > 0: the policy loss is divided by it (a negative one would push
 # the residuals up). A decay schedule's S, v0, k and vmax are all >= 0.
 
 def snapshot_decay(step: int, schedule: tuple) -> float:
-    """The decay after `step` optimizer steps, of the schedule (S, v0, k, vmax),
+    """The decay after `step` optimizer steps of schedule (S, v0, k, vmax),
     upstream's "S-v0-k-vmax": v0 before step S, then + k a step, at most vmax."""
     start, v0, slope, vmax = schedule
     if step < start:
@@ -598,7 +598,7 @@ if __name__ == "__main__":
     if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
         run_dir = os.path.dirname(parent)  # a resume goes on in its run
 
-    # ALGO LOGIC: from images to optimizer steps. The defaults on 8 GPUs: 48
+    # ALGO LOGIC: from images to optimizer steps. Defaults on 8 GPUs: 48
     # prompts x 24 images = 1152, 144 per GPU, in 18 micro-batches of 8, each
     # trained at 20 timesteps (a micro-step: a forward and backward). GPU k's
     # micro-batch s holds images 64 s + 8 k to 64 s + 8 k + 7, image i showing
@@ -658,7 +658,7 @@ if __name__ == "__main__":
     shift = pipe.scheduler.config.shift
     sigmas = sigma_grid(args.num_steps, shift).to(device)  # (T+1,) 1 to 0
     eval_sigmas = sigma_grid(args.eval_num_steps, shift).to(device)
-    # The old snapshot (the implicit reward's reference) and the sampler's
+    # The old snapshot (the implicit reward's reference), the sampler's
     snapshots = {name: [p.detach().clone() for p in lora_params]
                  for name in ("old", "sampling")}
 
@@ -912,20 +912,20 @@ if __name__ == "__main__":
                         world, loss, f"epoch {epoch}, step {global_step}",
                         run_dir)
                     global_step += 1
-        # Upstream's EMA steps once per epoch and moves every ema_every epochs,
+        # Upstream's EMA steps each epoch and moves every ema_every epochs,
         # by a decay warmed up as (1 + epoch) / (10 + epoch) (EMAModuleWrapper's
         # 10 warm-up steps): the early EMA follows the LoRA. EMA decay 0: the LoRA.
         if (epoch + 1) % args.ema_every == 0 or args.ema_decay == 0:
             decay = min(args.ema_decay, (1 + epoch) / (10 + epoch))
             blend_snapshot(ema_params, lora_params, decay)
-        # The snapshots move once per epoch, by decays that follow the
+        # The snapshots move each epoch, by decays that follow the
         # optimizer steps.
         decays = {"old": snapshot_decay(global_step, args.old_decay),
                   "sampling": snapshot_decay(global_step, args.sampling_decay)}
         for name, decay in decays.items():
             blend_snapshot(snapshots[name], lora_params, decay)
 
-        # ALGO LOGIC: this algorithm's metrics and its part of the summary line
+        # ALGO LOGIC: the algorithm's metrics, its part of the summary line
         losses = {f"losses/{name}": float(np.mean(values))
                   for name, values in stats.items()}
         metrics.update(rank_mean(losses, world, device))

@@ -30,12 +30,13 @@ import signal
 import sys
 import tempfile
 import time
+import warnings
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from functools import partial
-from typing import Literal, NamedTuple
+from typing import Annotated, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -86,7 +87,7 @@ class Args:
     resume: str | None = None
     """checkpoint to continue; `latest`: this exp-name and seed's newest"""
     eval_only: bool = False
-    """evaluate --resume's EMA (with its flags, but those given), or the base"""
+    """evaluate --resume's EMA (its flags but those given), or the base"""
     model: str = "black-forest-labs/FLUX.1-dev"
     """hub id or local path of a diffusers FluxPipeline"""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
@@ -97,9 +98,9 @@ class Args:
     """torch.compile each transformer block (~2x faster; on with CUDA)"""
     full_finetune: bool = False
     """train all weights (fp32, FSDP2-sharded) as the paper, not a LoRA"""
-    lora_rank: int = 128
+    lora_rank: Annotated[int, ">= 1"] = 128
     """LoRA rank on to_q/to_k/to_v/to_out.0 of each attention; unused by --full-finetune"""
-    lora_alpha: int = 256
+    lora_alpha: Annotated[int, "> 0"] = 256
     """LoRA alpha (scale = alpha / rank); unused by --full-finetune"""
     train_prompts: str = "prompts/train.txt"
     """a prompt per line, or JSONL: `prompt` and fields for the reward"""
@@ -109,30 +110,32 @@ class Args:
     """rewards.py name, weighted sum `ocr=1,pickscore=0.5`, `file.py:fn`"""
     eval_reward: str | None = None
     """reward of eval (None: the training reward)"""
-    resolution: int = 720
+    resolution: Annotated[int, ">= 1"] = 720
     """image height and width in pixels"""
-    eval_num_steps: int = 28
+    eval_num_steps: Annotated[int, ">= 1"] = 28
     """Euler ODE steps of eval"""
-    group_size: int = 12
+    group_size: Annotated[int, ">= 2"] = 12
     """images per prompt (a group: its rewards normalise each other)"""
-    eval_batch_size: int = 8
+    eval_batch_size: Annotated[int, ">= 1"] = 8
     """per-GPU eval batch"""
-    epochs: int = 300
+    epochs: Annotated[int, ">= 1"] = 300
     """epochs to train (each: sample, score, update)"""
     learning_rate: float = 3e-4
     """AdamW learning rate (constant)"""
     weight_decay: float = 1e-4
     """AdamW weight decay"""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, "> 0"] = 1.0
     """gradient-norm clip"""
     eval_seeds: tuple[int, ...] = (42,)
     """eval noise: a sample per test prompt and seed (tune on others)"""
+    checkpoints_total_limit: Annotated[int | None, ">= 1"] = None
+    """keep the newest N of the --save-every grid (None: all)"""
     # Algorithm-specific arguments (defaults: upstream's LoRA recipe)
-    max_sequence_length: int = 512
+    max_sequence_length: Annotated[int, ">= 1"] = 512
     """T5 tokens per prompt"""
-    num_steps: int = 12
+    num_steps: Annotated[int, ">= 1"] = 12
     """SDE steps per rollout (upstream: 12; 16 in full fine-tuning)"""
-    shift: float = 3.0
+    shift: Annotated[float, "> 0"] = 3.0
     """SD3's static time shift of the uniform sigma grid"""
     guidance_scale: float = 3.5
     """FLUX.1-dev's guidance input (no CFG: one forward per step)"""
@@ -142,7 +145,7 @@ class Args:
     """K > 0: SDE on K consecutive steps, all trained; ODE elsewhere"""
     sde_window_range: tuple[int, int] | None = None
     """A B: the window lies in steps [A, B) (None: 0, num_steps // 2)"""
-    window_shift_every: int | None = None
+    window_shift_every: Annotated[int | None, ">= 1"] = None
     """N: the window slides every N epochs (MixGRPO; None: random)"""
     window_stride: int = 1
     """steps it slides by (MixGRPO's --prog_overlap_step; 0: stays at A)"""
@@ -150,25 +153,25 @@ class Args:
     """after the empty window at B, back to A (MixGRPO's --roll_back)"""
     flash_ratio: float = 0.0
     """MixGRPO-Flash: DPM-Solver++ after the window (Flash 0.4, Flash* 0.2)"""
-    prompts_per_epoch: int = 16
+    prompts_per_epoch: Annotated[int, ">= 1"] = 16
     """prompts (groups) per epoch, over all GPUs"""
-    batch_size: int = 1
+    batch_size: Annotated[int, ">= 1"] = 1
     """per-GPU micro-batch of rollout and training"""
-    updates_per_epoch: int = 2
+    updates_per_epoch: Annotated[int, ">= 1"] = 2
     """optimizer steps per epoch (the first is on-policy)"""
-    timestep_fraction: float = 0.6
+    timestep_fraction: Annotated[float, "in (0, 1]"] = 0.6
     """each sample trains int((num_steps - 1) x this) random steps"""
     clip_range: float = 1e-4
     """PPO clip (tiny: log-probs are means over elements, sde.py)"""
-    adv_clip: float = 5.0
+    adv_clip: Annotated[float, "> 0"] = 5.0
     """advantages are clipped to +-adv_clip"""
     init_same_noise: bool = True
     """a group's images start from one initial latent"""
-    ema_decay: float = 0.0
+    ema_decay: Annotated[float, "in [0, 1)"] = 0.0
     """EMA decay of the trained weights, which eval uses (0: off)"""
-    eval_every: int = 50
+    eval_every: Annotated[int, ">= 1"] = 50
     """evaluate every N epochs (and after the last)"""
-    save_every: int = 50
+    save_every: Annotated[int, ">= 1"] = 50
     """keep every N-th epoch's save (a LoRA's: each; --full-finetune: these)"""
 
 # TRY NOT TO MODIFY: upstream's LoRA layers, what --resume must match, ranges
@@ -177,20 +180,8 @@ STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other val
 RANGES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: x >= 2,
           "> 0": lambda x: x > 0, "in [0, 1)": lambda x: 0 <= x < 1,
           "in (0, 1]": lambda x: 0 < x <= 1, "in [0, 1]": lambda x: 0 <= x <= 1}
-LIMITS = {"seed": ">= 0", "lora_rank": ">= 1", "lora_alpha": "> 0",
-          "resolution": ">= 1", "eval_num_steps": ">= 1", "group_size": ">= 2",
-          "eval_batch_size": ">= 1", "epochs": ">= 1", "learning_rate": ">= 0",
-          "weight_decay": ">= 0", "max_grad_norm": "> 0", "eval_seeds": ">= 0",
-          "max_sequence_length": ">= 1", "num_steps": ">= 1",
-          "guidance_scale": ">= 0", "prompts_per_epoch": ">= 1",
-          "batch_size": ">= 1", "adv_clip": "> 0",
-          "ema_decay": "in [0, 1)", "eval_every": ">= 1", "save_every": ">= 1"}
 
-# ALGO LOGIC: the ranges of this algorithm's flags, the sampler and the loss
-ALGO_LIMITS = {"shift": "> 0", "noise_level": ">= 0", "sde_window_size": ">= 0",
-               "sde_window_range": ">= 0", "window_shift_every": ">= 1",
-               "window_stride": ">= 0", "flash_ratio": ">= 0", "clip_range": ">= 0",
-               "updates_per_epoch": ">= 1", "timestep_fraction": "in (0, 1]"}
+# ALGO LOGIC: the sampler and the loss
 STEP_STREAM = 1  # a seed key: the steps each sample trains
 GROUP_NOISE_STREAM = 2  # a seed key: a group's initial latent
 
@@ -268,24 +259,24 @@ def say(message: str):
         print(message, flush=True)
 
 def check_ranges(args):
-    """Every number flag is finite and in its range (LIMITS, ALGO_LIMITS)."""
+    """Every number flag is finite and >= 0, or in its annotated range."""
     for field in fields(args):
         value = getattr(args, field.name)
-        allowed = (LIMITS | ALGO_LIMITS).get(field.name)
+        allowed = getattr(field.type, "__metadata__", [">= 0"])[0]
         flag = "--" + field.name.replace("_", "-")
         for number in value if isinstance(value, tuple) else [value]:
             if isinstance(number, float) and not math.isfinite(number):
                 fail(f"{flag} must be a finite number, got {number}")
-            if allowed and number is not None and not RANGES[allowed](number):
+            if isinstance(number, (int, float)) and not RANGES[allowed](number):
                 fail(f"{flag} must be {allowed}, got {value}")
 
 def check_args(args) -> dict | None:
     """Checks that need no weights; the checkpoint's state if resuming."""
     state = None
-    if args.resume == "latest":  # e.g. torchrun --max-restarts: start, or continue
+    if args.resume == "latest":  # torchrun --max-restarts: start or go on
         runs = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__*")
         saves = glob.glob(os.path.join(runs, "checkpoints", "epoch_*"))
-        args.resume = None  # runs sort by start time, then epoch: the newest good one
+        args.resume = None  # sorted by start time, then epoch
         for save in sorted(saves, reverse=True):
             state = load_state(save)
             if isinstance(state, dict):
@@ -312,7 +303,7 @@ def check_args(args) -> dict | None:
         tempfile.TemporaryFile(dir=args.output_dir).close()
     except OSError as error:
         fail(f"--output-dir {args.output_dir!r}: {error.strerror}")
-    try:  # the config files give the resolution's factor before the weights load
+    try:  # configs only: the resolution's factor, before the weights
         vae = AutoencoderKL.load_config(args.model, subfolder="vae")
         dit = FluxTransformer2DModel.load_config(args.model, subfolder="transformer")
     except Exception as error:
@@ -343,7 +334,7 @@ def check_args(args) -> dict | None:
     return state
 
 def load_state(save: str) -> dict | str:
-    """A checkpoint's state if it matches its checksum (written last), else why not."""
+    """A checkpoint's state if its checksum (written last) matches, else why."""
     try:
         with open(os.path.join(save, "state.pt"), "rb") as file:
             data = file.read()
@@ -356,7 +347,7 @@ def load_state(save: str) -> dict | str:
     return torch.load(io.BytesIO(data), map_location="cpu")
 
 def load_prompts(path: str) -> tuple[list[str], list[dict]]:
-    """A prompt per line, or JSONL with a `prompt`: the prompts, their metadata."""
+    """A prompt per line, or JSONL with a `prompt`: prompts and metadata."""
     if not os.path.isfile(path):
         fail(f"prompt file {path!r} does not exist (docs/usage.md: prompt sets)")
     with open(path, encoding="utf-8-sig") as file:  # a BOM is no part of a prompt
@@ -410,7 +401,7 @@ def predict_velocity(transformer, x, sigma, text: Text, img_ids,
 
 @torch.no_grad()
 def ode_sample(velocity, noise, sigmas) -> torch.Tensor:
-    """Euler ODE along sigmas: eval's sampler in every script, so evals compare."""
+    """Euler ODE along sigmas: every script's eval sampler, so evals compare."""
     x = noise.float()
     for i in range(len(sigmas) - 1):
         v = velocity(x, sigmas[i])
@@ -498,11 +489,13 @@ def save_checkpoint(path, transformer, params, ema_params, optimizer, next_epoch
             file.write(hashlib.sha256(data.getvalue()).hexdigest())
         os.rename(tmp, path)
 
-def prune_checkpoints(run_dir: str, current: str, save_every: int):
-    """Drop the checkpoints but current that are not on the --save-every grid."""
-    for save in glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")):
-        if save != current and int(save[-5:]) % save_every:
-            shutil.rmtree(save)
+def prune_checkpoints(run_dir: str, current: str, save_every: int, limit: int | None):
+    """Keep current and the newest `limit` (None: all) on the --save-every grid."""
+    saves = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
+    grid = [save for save in saves if int(save[-5:]) % save_every == 0]
+    kept = set(grid[-limit:] if limit else grid) | {current}
+    for save in set(saves) - kept:
+        shutil.rmtree(save)
 
 def last_checkpoint(run_dir: str) -> str:
     saves = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
@@ -522,9 +515,18 @@ def swapped(params, copies):
     finally:
         swap()
 
+@contextmanager
+def adapters_disabled(transformer):
+    """The base model: the same transformer, its LoRA switched off."""
+    transformer.disable_adapters()
+    try:
+        yield
+    finally:
+        transformer.enable_adapters()
+
 def prepare_run_dir(run_dir: str, start_epoch: int):
-    """Go on at start_epoch: drop crashed saves, and the checkpoints and metrics of
-    the epochs it redoes; replace metrics.jsonl whole, without a cut-off line."""
+    """Go on at start_epoch: drop crashed saves and the epochs it redoes (checkpoints,
+    metrics); metrics.jsonl is rewritten whole, minus a cut-off line."""
     folder = os.path.join(run_dir, "checkpoints")
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
         if name[0] == "." or int(name[-5:]) > start_epoch:  # hidden: a crashed save
@@ -563,22 +565,22 @@ def clock(device) -> float:
     return time.perf_counter()
 
 def check_finite(where: str, run_dir: str, **values):
-    """Stop with a line naming the first non-finite value and the last checkpoint."""
+    """Stop, naming the first non-finite value and the last checkpoint."""
     for name, value in values.items():
         if not torch.isfinite(torch.as_tensor(value)).all():
             fail(f"non-finite {name} at {where}; stopping. Last checkpoint: "
                  f"{last_checkpoint(run_dir)}")
 
 if __name__ == "__main__":
-    # TRY NOT TO MODIFY: input checks, rewards, run directory, before the model loads
+    # TRY NOT TO MODIFY: input checks and rewards, before the model loads
     args = tyro.cli(Args, description=__doc__.split("\n\n")[0])
     state = check_args(args)
     train_prompts, train_meta = [], []  # --eval-only trains on none
     if not args.eval_only:
         train_prompts, train_meta = load_prompts(args.train_prompts)
     test_prompts, test_meta = load_prompts(args.test_prompts)
-    rank = 0
-    world = 1
+    rank = int(os.environ.get("RANK", 0))  # torchrun's
+    world = int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -586,14 +588,12 @@ if __name__ == "__main__":
         torch.backends.cuda.enable_cudnn_sdp(False)  # backward: NaN, crash (torch 2.11)
     if "RANK" in os.environ:  # set by torchrun
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        rank = dist.get_rank()
-        world = dist.get_world_size()
     quiet = rank != 0 or not sys.stderr.isatty()  # bars on rank 0's terminal
     if quiet:  # the model-loading bars too
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
     diffusers.utils.logging.set_verbosity_error()  # e.g. every truncated prompt
-    try:  # a bad reward file, or a reward server not answering, fails here
+    try:  # a bad reward file or a silent server fails here
         rewards.check_prompts(args.reward, train_prompts)
         rewards.check_prompts(args.eval_reward or args.reward, test_prompts)
         reward_fn = rewards.build_reward(args.reward, device=device)
@@ -602,8 +602,6 @@ if __name__ == "__main__":
             eval_reward_fn = rewards.build_reward(args.eval_reward, device=device)
     except ValueError as error:
         fail(str(error))
-    if len(train_prompts) < args.prompts_per_epoch and not args.eval_only:
-        say("fewer than --prompts-per-epoch prompts: they are drawn with replacement")
     eval_samples = len(test_prompts) * len(args.eval_seeds)
     if args.full_finetune and eval_samples % world:  # FSDP2: every rank runs each forward
         fail(f"--full-finetune: {eval_samples} test prompts x eval seeds do not "
@@ -616,7 +614,7 @@ if __name__ == "__main__":
     run_dir = None  # a new run's is made once the model has loaded
     parent = os.path.dirname(os.path.abspath(args.resume or "."))
     if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
-        run_dir = os.path.dirname(parent)  # a resumed run goes on in its directory
+        run_dir = os.path.dirname(parent)  # a resume goes on in its run
 
     # ALGO LOGIC: from images to optimizer steps (defaults, 8 GPUs: 2 updates of 12 x 6)
     if num_batches % args.updates_per_epoch:
@@ -648,10 +646,8 @@ if __name__ == "__main__":
     pipe = FluxPipeline.from_pretrained(
         args.model, dtype={"default": dtype, "vae": torch.float32}).to(device)
     transformer = pipe.transformer  # in eval mode throughout
-    for module in pipe.components.values():
-        if isinstance(module, torch.nn.Module):
-            module.requires_grad_(False)
-    torch.manual_seed(args.seed)  # the LoRA's init, the same on every rank
+    transformer.requires_grad_(False)  # the LoRA alone trains, or all: below
+    torch.manual_seed(args.seed)  # the LoRA init, alike on all ranks
     if args.full_finetune:
         shard_for_full_finetune(transformer)
     else:  # peft's default init (Kaiming-uniform A), as upstream
@@ -700,8 +696,8 @@ if __name__ == "__main__":
         global_step = state["global_step"]
     if rank == 0 and run_dir is None:  # made only now: a failed start leaves none
         name = f"{args.exp_name}__{args.seed}__{int(time.time())}_"
-        run_dir = tempfile.mkdtemp(prefix=name, dir=args.output_dir)  # its run's alone
-        os.chmod(run_dir, 0o755)  # readable by others, as makedirs would make it
+        run_dir = tempfile.mkdtemp(prefix=name, dir=args.output_dir)  # unique
+        os.chmod(run_dir, 0o755)  # mkdtemp's is private
     shared = [run_dir]
     if world > 1:
         dist.broadcast_object_list(shared, src=0)
@@ -739,9 +735,12 @@ if __name__ == "__main__":
             wandb.log(metrics | sheets, step=epoch)
 
     @torch.no_grad()
-    def run_eval(epoch: int, prefix: str = "eval/") -> dict:
-        """Score the EMA's ODE samples (EMA 0: the weights), one per test prompt i and
-        eval seed s, from noise seeded (s, i): the same on any GPU count."""
+    def run_eval(epoch: int, prefix: str = "eval/", saved: str | None = None) -> dict:
+        """Score ODE samples of the EMA (EMA 0: the weights) or of the LoRA folder `saved`,
+        loaded as users do: a sample per test prompt i and eval seed s, noise (s, i)."""
+        if saved:
+            with warnings.catch_warnings(action="ignore"):
+                pipe.load_lora_weights(saved, adapter_name="saved")
         items = [(i, seed) for seed in args.eval_seeds for i in range(len(test_prompts))]
         by_prompt = {}  # test prompt -> its items
         for item in items:
@@ -758,15 +757,22 @@ if __name__ == "__main__":
                             generator=seeded_generator(device, seed, i))
                 for i, seed in batch])
             text = encode(pipe, prompts, device, args.max_sequence_length)
+            drift = {}  # --full-finetune: no adapter to switch off, no drift
             with swapped(params, ema_params):  # with EMA 0: the weights
                 final = ode_sample(partial(velocity, text=text), noise, eval_sigmas)
+                if not args.full_finetune:
+                    moved = velocity(noise, eval_sigmas[0], text)
+                    with adapters_disabled(transformer):
+                        base = velocity(noise, eval_sigmas[0], text)
+                    drift = (moved - base).flatten(1).norm(dim=1)
+                    drift = {"lora_drift": drift / base.flatten(1).norm(dim=1)}
             images = decode(pipe, final, args.resolution)
             meta = [test_meta[i] for i, _ in batch]
             try:
                 batch_scores, info = eval_reward_fn(images.cpu(), prompts, meta)
             except rewards.RewardError as error:
                 stop(f"error: {error} in the eval after {epoch} epochs")
-            columns = {"reward_mean": batch_scores, **info}
+            columns = {"reward_mean": batch_scores, **drift, **info}
             pixels = images.permute(0, 2, 3, 1).cpu().numpy() * 255
             pixels = pixels.round().astype(np.uint8)
             small = torch.nn.functional.interpolate(images, size=32, mode="area")
@@ -799,6 +805,8 @@ if __name__ == "__main__":
             contact_sheet(labelled).save(path)
             name = args.eval_reward or args.reward
             print(f"eval after {epoch} epochs: {name} = {means['reward_mean']:.4f}")
+            if epoch and means.get("lora_drift") == 0:
+                print("WARNING: eval/lora_drift is 0: does the LoRA train?")
             means["sheet"] = os.path.basename(path)  # in the run directory
         return {prefix + name: value for name, value in means.items()}
 
@@ -809,7 +817,7 @@ if __name__ == "__main__":
         epoch_start = clock(device)
         metrics = run_eval(epoch) if epoch % args.eval_every == 0 else {}
         text_start = clock(device)
-        # The same prompts on every rank: distinct ones, if the file has enough.
+        # The same prompts on every rank: distinct, if the file has enough.
         prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
         num_prompts = len(train_prompts)
         if num_prompts >= args.prompts_per_epoch:
@@ -948,7 +956,7 @@ if __name__ == "__main__":
         epoch_end = clock(device)
         epoch_seconds = epoch_end - epoch_start
         compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        # Peak memory: the process's (Linux reports KiB), or the GPU's.
+        # Peak memory: the process's (KiB on Linux) or the GPU's.
         max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
         if device.type == "cuda":
             max_mem_gb = torch.cuda.max_memory_allocated(device) / 1e9
@@ -980,19 +988,22 @@ if __name__ == "__main__":
                 line += (f" | eval {metrics['eval/reward_mean']:.4f} ± "
                          f"{metrics['eval/reward_stderr']:.4f}")
             print(line + " (nan: a reward gave no number)" * ("nan" in line))
-        if epoch + 1 == args.epochs:  # logged with the last epoch
-            metrics.update(run_eval(epoch + 1, prefix="eval/final_"))
         saving = not args.full_finetune or (epoch + 1) % args.save_every == 0
         path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
         try:
-            log(metrics, epoch)
             if saving or epoch + 1 == args.epochs:
                 save_checkpoint(path, transformer, params, ema_params, optimizer,
                                 epoch + 1, global_step, args, rank)
                 if rank == 0:
-                    prune_checkpoints(run_dir, path, args.save_every)
+                    prune_checkpoints(run_dir, path, args.save_every,
+                                      args.checkpoints_total_limit)
             if world > 1:
                 dist.barrier()
+            if epoch + 1 == args.epochs:  # the file's score, not the memory's
+                # (--full-finetune: the memory's; FSDP2 from disk is out of scope)
+                saved = None if args.full_finetune else os.path.join(path, "ema_lora")
+                metrics.update(run_eval(epoch + 1, "eval/final_", saved))
+            log(metrics, epoch)
         except (OSError, SafetensorError) as error:
             stop(f"error: {error} (saving epoch {epoch + 1})")
     executor.shutdown()

@@ -5,6 +5,8 @@
 with the fault in environment variables:
     FAULT_TIME=T          time.time() returns T (two runs start in the same second)
     FAULT_FULL_DISK=NAME  writing a file whose name ends with NAME raises ENOSPC
+    FAULT_LORA_LOADS=FILE every folder a pipeline's load_lora_weights reads is appended to FILE
+                          (the load itself goes on as usual)
 """
 
 import builtins
@@ -26,6 +28,19 @@ if "FAULT_FULL_DISK" in os.environ:
         return real_open(path, mode, *args, **kwargs)
 
     patches.append(mock.patch("builtins.open", full_open))
+if "FAULT_LORA_LOADS" in os.environ:
+    from diffusers.loaders import FluxLoraLoaderMixin, SD3LoraLoaderMixin
+
+    def recording(load):
+        def load_lora_weights(self, folder, *args, **kwargs):
+            with open(os.environ["FAULT_LORA_LOADS"], "a") as file:
+                file.write(f"{folder}\n")
+            return load(self, folder, *args, **kwargs)
+        return load_lora_weights
+
+    for mixin in (SD3LoraLoaderMixin, FluxLoraLoaderMixin):
+        patches.append(mock.patch.object(mixin, "load_lora_weights",
+                                         recording(mixin.load_lora_weights)))
 for patch in patches:
     patch.start()
 sys.argv = sys.argv[1:]

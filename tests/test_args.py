@@ -1,6 +1,6 @@
 """Every number flag of every script has a range, checked in its own script before the model
-loads: the range is in the script's LIMITS (the flags every SD3.5 script has) or ALGO_LIMITS
-(its own), and an out-of-range or non-finite value stops with one line naming the flag."""
+loads: the range its Args annotation names (`Annotated[int, ">= 1"]`), or >= 0 without one, and
+an out-of-range or non-finite value stops with one line naming the flag."""
 
 import dataclasses
 import importlib
@@ -30,6 +30,13 @@ def number_fields(module) -> dict[str, type]:
     return numbers
 
 
+def ranges(module) -> dict[str, str]:
+    """{name: range} of every number flag: its annotation's, or ">= 0"."""
+    hints = typing.get_type_hints(module.Args, include_extras=True)
+    return {name: getattr(hints[name], "__metadata__", (">= 0",))[0]
+            for name in number_fields(module)}
+
+
 def with_value(module, name: str, value):
     """The default Args with one field set to value (in every place of a tuple)."""
     args = module.Args()
@@ -41,18 +48,17 @@ def with_value(module, name: str, value):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_number_flag_has_a_range(script):
     module = importlib.import_module(script)
-    limits = module.LIMITS | module.ALGO_LIMITS
-    missing = sorted(set(number_fields(module)) - set(limits))
-    assert not missing, f"{script}: no range for {missing}"
-    unknown = sorted(set(limits) - {field.name for field in dataclasses.fields(module.Args)})
-    assert not unknown, f"{script}: ranges of flags it does not have: {unknown}"
-    assert set(limits.values()) <= set(module.RANGES) <= set(OUTSIDE)
+    hints = typing.get_type_hints(module.Args, include_extras=True)
+    annotated = {name for name, hint in hints.items() if hasattr(hint, "__metadata__")}
+    stray = sorted(annotated - set(number_fields(module)))
+    assert not stray, f"{script}: ranges on flags that hold no number: {stray}"
+    assert set(ranges(module).values()) <= set(module.RANGES) <= set(OUTSIDE)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_an_out_of_range_value_stops_with_one_line_naming_the_flag(script):
     module = importlib.import_module(script)
-    limits = module.LIMITS | module.ALGO_LIMITS
+    limits = ranges(module)
     module.check_ranges(module.Args())  # the defaults are in range
     for name, kind in number_fields(module).items():
         flag = "--" + name.replace("_", "-")
