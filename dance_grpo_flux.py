@@ -1,7 +1,7 @@
 """DanceGRPO on FLUX.1-dev: GRPO on the dance SDE's step log-probs, no CFG, no KL.
 
 Paper: DanceGRPO, https://arxiv.org/abs/2505.07818
-Docs: docs/dance_grpo.md (recipes, metrics, the toy-world demo).
+Docs: docs/dance_grpo.md (recipes, metrics, toy-world demo).
 
 The defaults: upstream's LoRA recipe (finetune_flux_grpo_8gpus_lora.sh, HPS v2.1):
     torchrun --nproc_per_node 8 dance_grpo_flux.py --train-prompts hpd/train.txt \
@@ -99,7 +99,7 @@ class Args:
     full_finetune: bool = False
     """train all weights (fp32, FSDP2-sharded) as the paper, not a LoRA"""
     lora_rank: Annotated[int, ">= 1"] = 128
-    """LoRA rank on to_q/to_k/to_v/to_out.0 of each attention; unused by --full-finetune"""
+    """LoRA rank on the attentions' to_q/k/v/out.0; unused by --full-finetune"""
     lora_alpha: Annotated[int, "> 0"] = 256
     """LoRA alpha (scale = alpha / rank); unused by --full-finetune"""
     train_prompts: str = "prompts/train.txt"
@@ -144,7 +144,7 @@ class Args:
     sde_window_size: int = 0
     """K > 0: SDE on K consecutive steps, all trained; ODE elsewhere"""
     sde_window_range: tuple[int, int] | None = None
-    """A B: the window lies in steps [A, B) (None: 0, num_steps // 2)"""
+    """A B: the window lies in [A, B) (None: 0, num_steps // 2)"""
     window_shift_every: Annotated[int | None, ">= 1"] = None
     """N: the window slides every N epochs (MixGRPO; None: random)"""
     window_stride: int = 1
@@ -168,7 +168,7 @@ class Args:
     init_same_noise: bool = True
     """a group's images start from one initial latent"""
     ema_decay: Annotated[float, "in [0, 1)"] = 0.0
-    """EMA decay of the trained weights, which eval uses (0: off)"""
+    """EMA decay of the trained weights, for eval (0: off)"""
     eval_every: Annotated[int, ">= 1"] = 50
     """evaluate every N epochs (and after the last)"""
     save_every: Annotated[int, ">= 1"] = 50
@@ -199,8 +199,8 @@ class Rollout(NamedTuple):
 @torch.no_grad()
 def rollout(velocity, noise, sigmas, window, noise_level, generator,
             dpm_from=None) -> Rollout:
-    """Sample from sigma 1 to 0: the dance SDE on the steps in [window[0],
-    window[1]), Euler on the others, DPM-Solver++(2M) from dpm_from on. fp32."""
+    """Sigma 1 to 0 in fp32: the dance SDE on steps in [window[0], window[1]),
+    Euler elsewhere, DPM-Solver++(2M) from dpm_from on."""
     start, end = window
     x = noise.float()
     kept = defaultdict(list)
@@ -225,20 +225,19 @@ def rollout(velocity, noise, sigmas, window, noise_level, generator,
     return Rollout(start, latents, torch.stack(kept["log_probs"], 1), x0_hat)
 
 def select_train_steps(batch: int, num_steps: int, fraction: float, generator):
-    """(batch, K): each sample's own K random steps, never the last (as upstream)."""
+    """(batch, K): each sample's K random steps, never the last (as upstream)."""
     candidates = num_steps - 1
     order = torch.rand(batch, candidates, generator=generator).argsort(dim=1)
     return order[:, : int(candidates * fraction)]
 
 def grpo_loss(*, log_prob, old_log_prob, advantages, clip_range, adv_clip,
               accum_steps):
-    """A step's PPO-clip loss: (it / accum_steps, the ratio, {statistic: float})."""
+    """A step's PPO-clip loss: (loss / accum_steps, ratio, {statistic: float})."""
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
     advantages = advantages.clamp(-adv_clip, adv_clip)
     clipped_ratio = ratio.clamp(1 - clip_range, 1 + clip_range)
-    policy_loss = torch.maximum(-advantages * ratio,
-                                -advantages * clipped_ratio).mean()
+    policy_loss = torch.maximum(-advantages * ratio, -advantages * clipped_ratio).mean()
     stats = {"policy_loss": policy_loss.item(),
              "approx_kl": 0.5 * (log_ratio**2).mean().item(),
              "clipfrac": ((ratio - 1).abs() > clip_range).float().mean().item()}
@@ -447,7 +446,7 @@ def sharded_state(transformer, optimizer, ema_params) -> dict:
 
 def save_checkpoint(path, transformer, params, ema_params, optimizer, next_epoch,
                     global_step, args, rank: int):
-    """On every rank, to a hidden directory, then renamed. LoRA: `lora/`, `ema_lora/`;
+    """On every rank, to a hidden directory, then renamed. LoRA: `(ema_)lora/`;
     full: `dcp/`, at the end diffusers `(ema_)transformer/`; state.pt, sha256 last."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     state = {"next_epoch": next_epoch, "global_step": global_step, "args": asdict(args),
@@ -503,7 +502,7 @@ def last_checkpoint(run_dir: str) -> str:
 
 @contextmanager
 def swapped(params, copies):
-    """Swap `copies` (the EMA) into the live parameters, in place for FSDP2."""
+    """Swap `copies` (the EMA) into the live parameters, in place (FSDP2)."""
     def swap():
         for p, copy in zip(params, copies):
             live = p.data.clone()
@@ -514,15 +513,6 @@ def swapped(params, copies):
         yield
     finally:
         swap()
-
-@contextmanager
-def adapters_disabled(transformer):
-    """The base model: the same transformer, its LoRA switched off."""
-    transformer.disable_adapters()
-    try:
-        yield
-    finally:
-        transformer.enable_adapters()
 
 def prepare_run_dir(run_dir: str, start_epoch: int):
     """Go on at start_epoch: drop crashed saves and the epochs it redoes (checkpoints,
@@ -603,7 +593,7 @@ if __name__ == "__main__":
     except ValueError as error:
         fail(str(error))
     eval_samples = len(test_prompts) * len(args.eval_seeds)
-    if args.full_finetune and eval_samples % world:  # FSDP2: every rank runs each forward
+    if args.full_finetune and eval_samples % world:  # FSDP2: all ranks run each forward
         fail(f"--full-finetune: {eval_samples} test prompts x eval seeds do not "
              f"split into {world} GPUs")
     images_per_epoch = args.prompts_per_epoch * args.group_size
@@ -646,7 +636,7 @@ if __name__ == "__main__":
     pipe = FluxPipeline.from_pretrained(
         args.model, dtype={"default": dtype, "vae": torch.float32}).to(device)
     transformer = pipe.transformer  # in eval mode throughout
-    transformer.requires_grad_(False)  # the LoRA alone trains, or all: below
+    transformer.requires_grad_(False)  # a LoRA (or all: below) trains
     torch.manual_seed(args.seed)  # the LoRA init, alike on all ranks
     if args.full_finetune:
         shard_for_full_finetune(transformer)
@@ -668,7 +658,7 @@ if __name__ == "__main__":
                                   weight_decay=args.weight_decay)
     ema_params = [p.detach().clone() for p in params]
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    grid_size = args.resolution // pipe.vae_scale_factor // 2  # 2x2 latent pixels a token
+    grid_size = args.resolution // pipe.vae_scale_factor // 2  # a token: 2x2 latents
     latent_shape = (grid_size**2, transformer.config.in_channels)
     img_ids = image_ids(grid_size, grid_size, device)
 
@@ -757,13 +747,14 @@ if __name__ == "__main__":
                             generator=seeded_generator(device, seed, i))
                 for i, seed in batch])
             text = encode(pipe, prompts, device, args.max_sequence_length)
-            drift = {}  # --full-finetune: no adapter to switch off, no drift
+            drift = {}  # --full-finetune has no adapter: no drift
             with swapped(params, ema_params):  # with EMA 0: the weights
                 final = ode_sample(partial(velocity, text=text), noise, eval_sigmas)
                 if not args.full_finetune:
                     moved = velocity(noise, eval_sigmas[0], text)
-                    with adapters_disabled(transformer):
-                        base = velocity(noise, eval_sigmas[0], text)
+                    transformer.disable_adapters()  # the base model
+                    base = velocity(noise, eval_sigmas[0], text)
+                    transformer.enable_adapters()
                     drift = (moved - base).flatten(1).norm(dim=1)
                     drift = {"lora_drift": drift / base.flatten(1).norm(dim=1)}
             images = decode(pipe, final, args.resolution)
@@ -831,7 +822,7 @@ if __name__ == "__main__":
         epoch_text = encode(pipe, epoch_prompts, device, args.max_sequence_length)
         sampling_start = clock(device)
 
-        # ALGO LOGIC: sampling; images shuffled alike on all ranks: a group spans ranks
+        # ALGO LOGIC: sampling; images shuffled alike on all ranks (groups span them)
         group_ids = torch.arange(args.prompts_per_epoch)
         group_ids = group_ids.repeat_interleave(args.group_size)
         group_ids = group_ids[torch.randperm(images_per_epoch, generator=prompt_gen)]
@@ -891,7 +882,7 @@ if __name__ == "__main__":
                                  for group in range(args.prompts_per_epoch)])
         training_start = clock(device)
 
-        # ALGO LOGIC: training: re-score stored steps; the loss scale follows the window
+        # ALGO LOGIC: training: re-score stored steps (loss scale: the window's)
         k = window[1] - window[0] if window_size else num_train_steps
         accum_steps = num_batches // args.updates_per_epoch * k
         my_advantages = advantages.to(device)
@@ -948,9 +939,8 @@ if __name__ == "__main__":
                       for name, values in stats.items()}
             metrics.update(rank_mean(losses, world, device))
             metrics["losses/on_policy_ratio_dev"] = on_policy_dev
-            summary = (f"policy {metrics['losses/policy_loss']:.3e} "
-                       f"| ratio dev {on_policy_dev:.1e} "
-                       f"| clipfrac {metrics['losses/clipfrac']:.3f}")
+            summary = (f"policy {metrics['losses/policy_loss']:.3e} | ratio dev "
+                       f"{on_policy_dev:.1e} | clipfrac {metrics['losses/clipfrac']:.3f}")
 
         # TRY NOT TO MODIFY: shared metrics, the line, checkpoint, final eval
         epoch_end = clock(device)
@@ -999,8 +989,7 @@ if __name__ == "__main__":
                                       args.checkpoints_total_limit)
             if world > 1:
                 dist.barrier()
-            if epoch + 1 == args.epochs:  # the file's score, not the memory's
-                # (--full-finetune: the memory's; FSDP2 from disk is out of scope)
+            if epoch + 1 == args.epochs:  # the saved LoRA's score (FSDP2: in memory)
                 saved = None if args.full_finetune else os.path.join(path, "ema_lora")
                 metrics.update(run_eval(epoch + 1, "eval/final_", saved))
             log(metrics, epoch)

@@ -960,7 +960,10 @@ if __name__ == "__main__":
                          f"{metrics['eval/reward_stderr']:.4f}")
             print(line + " (nan: a reward gave no number)" * ("nan" in line))
         path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
+        last = epoch + 1 == args.epochs
         try:  # each epoch: a preemption loses one at most
+            if not last:  # before its checkpoint: a resume redoes it whole
+                log(metrics, epoch)
             if rank == 0:
                 save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
                                 optimizer, epoch + 1, global_step, args)
@@ -968,10 +971,9 @@ if __name__ == "__main__":
                                   args.checkpoints_total_limit)
             if world > 1:
                 dist.barrier()
-            if epoch + 1 == args.epochs:  # the file's score, not the memory's
-                saved = os.path.join(path, "ema_lora")
-                metrics.update(run_eval(epoch + 1, "eval/final_", saved))
-            log(metrics, epoch)
+            if last:  # the saved file's score, not the memory's
+                metrics.update(run_eval(epoch + 1, "eval/final_", f"{path}/ema_lora"))
+                log(metrics, epoch)
         except (OSError, SafetensorError) as error:
             stop(f"error: {error} (saving epoch {epoch + 1})")
     executor.shutdown()
