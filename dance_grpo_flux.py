@@ -1,7 +1,7 @@
 """DanceGRPO on FLUX.1-dev: GRPO on the dance SDE's step log-probs, no CFG, no KL.
 
 Paper: DanceGRPO, https://arxiv.org/abs/2505.07818
-Docs: docs/dance_grpo.md (recipes, metrics, toy-world demo).
+Docs: docs/dance_grpo.md (recipes, metrics, the toy-world demo).
 
 The defaults: upstream's LoRA recipe (finetune_flux_grpo_8gpus_lora.sh, HPS v2.1):
     torchrun --nproc_per_node 8 dance_grpo_flux.py --train-prompts hpd/train.txt \
@@ -618,8 +618,7 @@ if __name__ == "__main__":
              f"{low} {high} (0 <= A <= B - K, B <= --num-steps)")
     if args.flash_ratio and not (window_size and high < args.num_steps):
         fail("--flash-ratio needs an SDE window that ends before --num-steps")
-    num_train_steps = int((args.num_steps - 1) * args.timestep_fraction)
-    num_train_steps = window_size or num_train_steps
+    num_train_steps = window_size or int((args.num_steps - 1) * args.timestep_fraction)
     if num_train_steps < 1:
         fail(f"--timestep-fraction {args.timestep_fraction} trains no step of the "
              f"--num-steps {args.num_steps} - 1")
@@ -658,7 +657,7 @@ if __name__ == "__main__":
                                   weight_decay=args.weight_decay)
     ema_params = [p.detach().clone() for p in params]
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    grid_size = args.resolution // pipe.vae_scale_factor // 2  # a token: 2x2 latents
+    grid_size = args.resolution // pipe.vae_scale_factor // 2  # tokens: 2x2 latents
     latent_shape = (grid_size**2, transformer.config.in_channels)
     img_ids = image_ids(grid_size, grid_size, device)
 
@@ -728,7 +727,7 @@ if __name__ == "__main__":
     def run_eval(epoch: int, prefix: str = "eval/", saved: str | None = None) -> dict:
         """Score ODE samples of the EMA (EMA 0: the weights) or of the LoRA folder `saved`,
         loaded as users do: a sample per test prompt i and eval seed s, noise (s, i)."""
-        if saved:
+        if saved and not args.full_finetune:  # FSDP2's: in memory
             with warnings.catch_warnings(action="ignore"):
                 pipe.load_lora_weights(saved, adapter_name="saved")
         items = [(i, seed) for seed in args.eval_seeds for i in range(len(test_prompts))]
@@ -895,7 +894,7 @@ if __name__ == "__main__":
         rows = torch.arange(args.batch_size, device=device)
         progress = tqdm(batches, f"epoch {epoch} training", disable=quiet, leave=False)
         for (text, out), batch_advantages in zip(progress, my_advantages):
-            steps = torch.arange(k).expand(args.batch_size, -1)  # (B, K): the window's
+            steps = torch.arange(k).expand(args.batch_size, -1)  # (B, K): the window
             if window_size == 0:
                 steps = select_train_steps(args.batch_size, args.num_steps,
                                            args.timestep_fraction, step_gen)
@@ -946,8 +945,7 @@ if __name__ == "__main__":
         epoch_end = clock(device)
         epoch_seconds = epoch_end - epoch_start
         compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        # Peak memory: the process's (KiB on Linux) or the GPU's.
-        max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+        max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB
         if device.type == "cuda":
             max_mem_gb = torch.cuda.max_memory_allocated(device) / 1e9
         metrics.update({
@@ -980,8 +978,11 @@ if __name__ == "__main__":
             print(line + " (nan: a reward gave no number)" * ("nan" in line))
         saving = not args.full_finetune or (epoch + 1) % args.save_every == 0
         path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
+        last = epoch + 1 == args.epochs
         try:
-            if saving or epoch + 1 == args.epochs:
+            if not last:  # before its checkpoint: a resume redoes it whole
+                log(metrics, epoch)
+            if saving or last:
                 save_checkpoint(path, transformer, params, ema_params, optimizer,
                                 epoch + 1, global_step, args, rank)
                 if rank == 0:
@@ -989,10 +990,9 @@ if __name__ == "__main__":
                                       args.checkpoints_total_limit)
             if world > 1:
                 dist.barrier()
-            if epoch + 1 == args.epochs:  # the saved LoRA's score (FSDP2: in memory)
-                saved = None if args.full_finetune else os.path.join(path, "ema_lora")
-                metrics.update(run_eval(epoch + 1, "eval/final_", saved))
-            log(metrics, epoch)
+            if last:  # the saved file's score, not the memory's
+                metrics.update(run_eval(epoch + 1, "eval/final_", f"{path}/ema_lora"))
+                log(metrics, epoch)
         except (OSError, SafetensorError) as error:
             stop(f"error: {error} (saving epoch {epoch + 1})")
     executor.shutdown()

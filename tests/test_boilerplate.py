@@ -21,11 +21,11 @@ SHARED = ["Text", "fail", "check_ranges", "check_args", "load_prompts", "all_gat
 # top-level name two scripts share is one verbatim copy.
 # (Text: FLUX's are T5 tokens and a pooled CLIP-L; swapped: FSDP2 reads its own shards, so
 # dance copies in place where the LoRA scripts swap storage.)
-FLUX_OWN = {"Args", "ALGO_LIMITS", "check_args", "encode", "predict_velocity", "decode",
+FLUX_OWN = {"Args", "check_args", "encode", "predict_velocity", "decode",
             "save_checkpoint", "optimizer_step", "rollout", "grpo_loss", "Rollout",
-            "LORA_TARGETS", "STATE_FLAGS", "LIMITS", "Text", "swapped"}
+            "LORA_TARGETS", "STATE_FLAGS", "Text", "swapped"}
 # ALGO LOGIC names that differ between SD3.5 scripts by design
-ALGO_OWN = {"Args", "ALGO_LIMITS", "rollout", "Rollout"}
+ALGO_OWN = {"Args", "rollout", "Rollout"}
 SHARED_TAG, ALGO_TAG = "# TRY NOT TO MODIFY:", "# ALGO LOGIC:"
 ALGO_ARGS = "    # Algorithm-specific arguments"
 
