@@ -261,12 +261,16 @@ def cfg_rows(guidance_scale: float) -> int:
 
 def passes(script: str, a) -> Passes:
     """Passes of `script` per sampled image under its parsed Args `a` (its training loop, read)."""
+    # Eval: its ODE steps, and two velocities at its first sigma (eval/lora_drift: the LoRA's
+    # and the base's), but in a full fine-tune, which has no adapter to switch off.
     if script == "dance":  # FLUX.1-dev: guidance is an embedding, never a second branch
         steps = a.sde_window_size or int((a.num_steps - 1) * a.timestep_fraction)
-        return Passes(a.num_steps, steps, steps, 0, a.eval_num_steps)
+        drift = 0 if a.full_finetune else 2
+        return Passes(a.num_steps, steps, steps, 0, a.eval_num_steps + drift)
     g = cfg_rows(a.guidance_scale)
     eval_scale = getattr(a, "eval_guidance_scale", None)
-    eval_rows = a.eval_num_steps * cfg_rows(a.guidance_scale if eval_scale is None else eval_scale)
+    eval_cfg = cfg_rows(a.guidance_scale if eval_scale is None else eval_scale)
+    eval_rows = (a.eval_num_steps + 2) * eval_cfg
     if script == "grpo":  # CFG forward with grad, the KL's reference forward with CFG
         steps = a.sde_window_size or int(a.num_steps * a.timestep_fraction)
         reference = g if a.kl_beta > 0 else 0
