@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, fields
 from functools import partial
 from typing import Annotated, Literal, NamedTuple
 
+import huggingface_hub
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -67,6 +68,11 @@ from sde import (compute_advantages, dppo_keep, dppo_kl_std, flow_sigma_t,
 #   grad_norm    the gradient norm of the last optimizer step
 #   summary      the algorithm's part of the epoch's line on stdout
 
+# The joint-attention projections of every MMDiT block, as flow_grpo, NFT and AWM
+LORA_TARGETS = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj",
+                "attn.to_add_out", "attn.to_k", "attn.to_out.0", "attn.to_q",
+                "attn.to_v")
+
 @dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -74,11 +80,7 @@ class Args:
     seed: int = 42
     """seed of the LoRA init, prompt draws and noise"""
     track: bool = False
-    """log to Weights & Biases too"""
-    wandb_project: str = "flowrl"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (None: your default one)"""
+    """log to Weights & Biases too (WANDB_PROJECT, WANDB_ENTITY: where)"""
     output_dir: str = "runs"
     """runs go to OUTPUT_DIR/RUN_NAME"""
     resume: str | None = None
@@ -94,9 +96,11 @@ class Args:
     compile: bool = torch.cuda.is_available()
     """torch.compile each transformer block (~2x faster; on with CUDA)"""
     lora_rank: Annotated[int, ">= 1"] = 32
-    """LoRA rank on the 8 joint-attention projections of every block"""
+    """LoRA rank"""
     lora_alpha: Annotated[int, "> 0"] = 64
     """LoRA alpha (scale = alpha / rank)"""
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    """the layers it adapts: names or dotted ends (peft's target_modules)"""
     train_prompts: str = "prompts/train.txt"
     """a prompt per line, or JSONL: `prompt` and fields for the reward"""
     test_prompts: str = "prompts/test.txt"
@@ -129,6 +133,14 @@ class Args:
     """eval noise: a sample per test prompt and seed (tune on others)"""
     checkpoints_total_limit: Annotated[int | None, ">= 1"] = None
     """keep the newest N of the --save-every grid (None: all)"""
+    allow_tf32: bool = False
+    """TF32 matmuls on CUDA for the fp32 parts (VAE decode, LoRA)"""
+    push_to_hub: bool = False
+    """at the end, upload the final ema_lora/ and its card to the Hub"""
+    hub_model_id: str | None = None
+    """its Hub repository (None: YOUR_HUB_NAME/EXP_NAME)"""
+    hub_private: bool = False
+    """make that repository private"""
     # Algorithm-specific arguments (defaults: the paper's OCR run)
     max_sequence_length: Annotated[int, ">= 1"] = 128
     """T5 tokens per prompt"""
@@ -177,12 +189,8 @@ class Args:
     save_every: Annotated[int, ">= 1"] = 60
     """keep every N-th epoch's checkpoint (each is saved)"""
 
-# TRY NOT TO MODIFY: the LoRA's layers, what --resume must match, ranges
-# The joint-attention projections of every MMDiT block, as flow_grpo, NFT and AWM
-LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj",
-                "attn.to_add_out", "attn.to_k", "attn.to_out.0", "attn.to_q",
-                "attn.to_v"]
-STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other values
+# TRY NOT TO MODIFY: what --resume must match, ranges
+STATE_FLAGS = ["model", "lora_rank", "lora_alpha", "lora_targets"]  # --resume's
 RANGES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: x >= 2,
           "> 0": lambda x: x > 0, "in [0, 1)": lambda x: 0 <= x < 1,
           "in (0, 1]": lambda x: 0 < x <= 1, "in [0, 1]": lambda x: 0 <= x <= 1}
@@ -310,7 +318,7 @@ def check_args(args) -> dict | None:
         given = {word[2:].split("=")[0].removeprefix("no-").replace("-", "_")
                  for word in sys.argv[1:] if word.startswith("--")}
         for name, value in state["args"].items():
-            if name not in given | {"resume", "eval_only"}:
+            if name not in given | {"resume", "eval_only", "push_to_hub"}:
                 setattr(args, name, value)
     check_ranges(args)
     if args.mixed_precision == "fp16" and not torch.cuda.is_available():
@@ -330,11 +338,23 @@ def check_args(args) -> dict | None:
     if args.resolution % factor:
         fail(f"--resolution {args.resolution} is not a positive multiple of {factor} "
              "(VAE downsampling x patch size)")
+    with torch.device("meta"):  # the layers' names, not their weights
+        layers = SD3Transformer2DModel.from_config(dit).named_modules()
+        names = [f".{name}" for name, _ in layers]
+    for target in args.lora_targets:  # matched as peft does
+        if not any(name.endswith(f".{target}") for name in names):
+            fail(f"--lora-targets {target} names no layer of {args.model}")
     if args.track and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
         import wandb
         if not wandb.login(prompt=False):
             fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), "
                  "or WANDB_MODE=offline")
+    if args.push_to_hub:  # found now, not after training
+        try:
+            user = huggingface_hub.whoami()["name"]
+        except Exception as error:  # no token, offline, no answer
+            fail(f"--push-to-hub needs a Hub login (hf auth login): {type(error).__name__}")
+        args.hub_model_id = args.hub_model_id or f"{user}/{args.exp_name}"
     if not args.resume:
         return None
     script = os.path.basename(__file__)
@@ -450,8 +470,7 @@ def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where,
 
 def save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
                     optimizer, next_epoch, global_step, args):
-    """Written to a hidden directory, then renamed: `lora/`, `ema_lora/` (diffusers
-    LoRAs), state.pt to resume from, and its checksum, last."""
+    """lora/, ema_lora/ (diffusers LoRAs), state.pt, its checksum last; then renamed."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     config = transformer.peft_config["default"].to_dict()
@@ -481,6 +500,41 @@ def prune_checkpoints(run_dir: str, current: str, save_every: int, limit: int | 
     for save in set(saves) - kept:
         shutil.rmtree(save)
 
+def write_card(run_dir: str, args, images_per_epoch: int):
+    """The Hub's model card (README.md) and eval sheet in each evaluated checkpoint."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as file:
+        evals = [(row[key + "sheet"], row[key + "reward_mean"]) for row in map(json.loads, file)
+                 for key in ["eval/", "eval/final_"] if key + "sheet" in row]
+    name = os.path.basename(__file__)
+    about = " ".join(__doc__[: __doc__.index("Docs:")].split())  # and the paper
+    flags = ", ".join(f"`--{flag.replace('_', '-')} {value}`" for flag, value in vars(args).items())
+    for sheet, reward in evals:
+        epochs = int(sheet[5:10])  # eval_00060.png: after 60 epochs
+        save = os.path.join(run_dir, "checkpoints", f"epoch_{epochs:05d}")
+        if not os.path.isdir(save):  # the base model's, or pruned
+            continue
+        card = f"""---
+base_model: {args.model}
+library_name: diffusers
+license: other
+tags: [diffusers, lora, text-to-image, {name[:-3]}]
+---
+# {name}: a LoRA of {args.model} (its licence applies)
+{about}. Eval reward `{args.eval_reward or args.reward}` of `ema_lora/` (the EMA of
+`lora/`): {evals[0][1]:.4f} before, {reward:.4f} after {epochs} epochs
+({epochs * images_per_epoch:,} images); a row per test prompt:
+![eval sheet](eval_sheet.png)
+```python
+pipe = DiffusionPipeline.from_pretrained("{args.model}")
+pipe.load_lora_weights("{args.hub_model_id or save + '/ema_lora'}")
+```
+Flags: {flags}
+"""
+        for folder in [f"{save}/lora", f"{save}/ema_lora"]:
+            with open(f"{folder}/README.md", "w") as file:
+                file.write(card)
+            shutil.copy(os.path.join(run_dir, sheet), f"{folder}/eval_sheet.png")
+
 def last_checkpoint(run_dir: str) -> str:
     saves = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
     return saves[-1] if saves else "none saved yet"
@@ -506,8 +560,7 @@ def adapters_disabled(transformer):
         transformer.enable_adapters()
 
 def prepare_run_dir(run_dir: str, start_epoch: int):
-    """Go on at start_epoch: drop crashed saves and the epochs it redoes (checkpoints,
-    metrics); metrics.jsonl is rewritten whole, minus a cut-off line."""
+    """Go on at start_epoch: drop crashed saves, and the later epochs' saves and lines."""
     folder = os.path.join(run_dir, "checkpoints")
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
         if name[0] == "." or int(name[-5:]) > start_epoch:  # hidden: a crashed save
@@ -566,6 +619,7 @@ if __name__ == "__main__":
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
     if "RANK" in os.environ:  # set by torchrun
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     quiet = rank != 0 or not sys.stderr.isatty()  # bars on rank 0's terminal
@@ -631,7 +685,7 @@ if __name__ == "__main__":
     torch.manual_seed(args.seed)  # the LoRA init, alike on all ranks
     transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
                                        init_lora_weights="gaussian",
-                                       target_modules=LORA_TARGETS))
+                                       target_modules=list(args.lora_targets)))
     lora_params = [p for p in transformer.parameters() if p.requires_grad]
     for p in lora_params:
         p.data = p.data.float()
@@ -688,8 +742,7 @@ if __name__ == "__main__":
         prepare_run_dir(run_dir, start_epoch)
     if args.track and rank == 0:
         import wandb
-        wandb.init(project=args.wandb_project, entity=args.wandb_entity,
-                   name=os.path.basename(run_dir), config=vars(args), save_code=True,
+        wandb.init(name=os.path.basename(run_dir), config=vars(args), save_code=True,
                    dir=run_dir)
 
     def stop(reason: str, code: int = 1):
@@ -717,8 +770,7 @@ if __name__ == "__main__":
 
     @torch.no_grad()
     def run_eval(epoch: int, prefix: str = "eval/", saved: str | None = None) -> dict:
-        """Score ODE samples of the EMA (EMA 0: the LoRA) or of the LoRA folder `saved`,
-        loaded as users do: a sample per test prompt i and eval seed s, noise (s, i)."""
+        """Score ODE samples of the EMA or LoRA folder `saved`: test prompt i, seed s."""
         if saved:
             with warnings.catch_warnings(action="ignore"):
                 pipe.load_lora_weights(saved, adapter_name="saved")
@@ -989,6 +1041,13 @@ if __name__ == "__main__":
             if last:  # the saved file's score, not the memory's
                 metrics.update(run_eval(epoch + 1, "eval/final_", f"{path}/ema_lora"))
                 log(metrics, epoch)
+            if rank == 0:
+                write_card(run_dir, args, images_per_epoch)
+            if rank == 0 and last and args.push_to_hub:  # the final EMA LoRA alone
+                hub = huggingface_hub.HfApi()
+                hub.create_repo(args.hub_model_id, private=args.hub_private, exist_ok=True)
+                hub.upload_folder(repo_id=args.hub_model_id, folder_path=f"{path}/ema_lora")
+                print(f"pushed to https://huggingface.co/{args.hub_model_id}")
         except (OSError, SafetensorError) as error:
             stop(f"error: {error} (saving epoch {epoch + 1})")
     executor.shutdown()

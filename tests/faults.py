@@ -7,10 +7,14 @@ with the fault in environment variables:
     FAULT_FULL_DISK=NAME  writing a file whose name ends with NAME raises ENOSPC
     FAULT_LORA_LOADS=FILE every folder a pipeline's load_lora_weights reads is appended to FILE
                           (the load itself goes on as usual)
+    FAULT_HUB=FILE        the Hub answers whoami as user "tester", and create_repo and
+                          upload_folder append their arguments to FILE as JSON lines instead
+                          of sending anything
 """
 
 import builtins
 import errno
+import json
 import os
 import runpy
 import sys
@@ -41,6 +45,18 @@ if "FAULT_LORA_LOADS" in os.environ:
     for mixin in (SD3LoraLoaderMixin, FluxLoraLoaderMixin):
         patches.append(mock.patch.object(mixin, "load_lora_weights",
                                          recording(mixin.load_lora_weights)))
+if "FAULT_HUB" in os.environ:
+    import huggingface_hub
+
+    def recorder(name):
+        def record(self, *args, **kwargs):
+            with open(os.environ["FAULT_HUB"], "a") as file:
+                file.write(json.dumps({"call": name, "args": args, **kwargs}) + "\n")
+        return record
+
+    patches.append(mock.patch("huggingface_hub.whoami", return_value={"name": "tester"}))
+    for name in ("create_repo", "upload_folder"):
+        patches.append(mock.patch.object(huggingface_hub.HfApi, name, recorder(name)))
 for patch in patches:
     patch.start()
 sys.argv = sys.argv[1:]

@@ -113,8 +113,9 @@ BAD = [
 @pytest.mark.parametrize("script", SD35_SCRIPTS + ["dance_grpo_flux.py"])
 def test_files_and_modes_that_cannot_work_fail_before_the_model_loads(tiny_sd3, tiny_flux,
                                                                        tmp_path, script):
-    """A file as --output-dir, a malformed JSONL prompt file, fp16 on CPU (FLUX: anywhere):
-    one line each, no run directory (a repeated flag: the last one counts, the harness reads the
+    """A file as --output-dir, a malformed JSONL prompt file, fp16 on CPU (FLUX: anywhere), a
+    LoRA target no layer has, --push-to-hub without the Hub (HF_HUB_OFFLINE=1 here): one line
+    each, no run directory (a repeated flag: the last one counts, the harness reads the
     first)."""
     model = tiny_flux if script.startswith("dance") else tiny_sd3
     flags = tiny_sd35_flags(configs_only(model, tmp_path), tmp_path / "out")
@@ -128,7 +129,9 @@ def test_files_and_modes_that_cannot_work_fail_before_the_model_loads(tiny_sd3, 
             (["--output-dir", str(tmp_path / "a_file")], "a_file': File exists"),
             (["--train-prompts", str(tmp_path / "bad.jsonl")], "must be a JSON object with"),
             (["--test-prompts", str(tmp_path / "no_prompt.jsonl")], "with a 'prompt'"),
-            (["--mixed-precision", "fp16"], fp16)]:
+            (["--mixed-precision", "fp16"], fp16),
+            (["--lora-targets", "to_q", "attn.to_qq"], "--lora-targets attn.to_qq names no"),
+            (["--push-to-hub"], "--push-to-hub needs a Hub login (hf auth login)")]:
         assert_bad_input(script, flags + extra, message)
 
 
