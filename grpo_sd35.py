@@ -157,9 +157,9 @@ class Args:
     sde_window_range: tuple[int, int] | None = None
     """A B: SDE steps lie in [A, B) (None: 0, num_steps // 2)"""
     window_shift_every: Annotated[int | None, ">= 1"] = None
-    """N: the window slides every N epochs (MixGRPO; None: random)"""
+    """slide the window every N epochs (MixGRPO; None: random)"""
     window_stride: int = 1
-    """steps it slides by (UniRL's MixGRPO: 3; 0: it stays at A)"""
+    """steps it slides by (UniRL's MixGRPO: 3; 0: stays at A)"""
     sde_random_steps: int = 0
     """K > 0: SDE on K random steps of [A, B), an epoch's draw (UniRL's DPPO)"""
     prompts_per_epoch: Annotated[int, ">= 1"] = 48
@@ -198,50 +198,40 @@ RANGES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: 
 # ALGO LOGIC: the sampler and the loss
 class Rollout(NamedTuple):
     """A micro-batch's rollout, kept for training: K SDE steps."""
-    steps: list  # the K steps
-    latents: torch.Tensor  # (B, K, C, h, w): x before each of them
-    next_latents: torch.Tensor  # (B, K, C, h, w): the SDE's draw, x after it
-    log_probs: torch.Tensor  # (B, K): log-probs, means over elements (sde.py)
+    steps: list
+    latents: torch.Tensor  # (B, K, C, h, w): x before each step
+    next_latents: torch.Tensor  # (B, K, C, h, w): the SDE's draw after it
+    log_probs: torch.Tensor  # (B, K): means over elements (sde.py)
     means: torch.Tensor  # (B, K, C, h, w): the steps' Gaussian means
     sample: torch.Tensor  # (B, C, h, w): the final latent
 
 @torch.no_grad()
 def rollout(velocity, noise, sigmas, steps, kind, noise_level, generator) -> Rollout:
-    """Sample from sigma 1 to 0 (sigmas: (T+1,)): sde.py's step `kind` on `steps`, the
-    Euler ODE elsewhere. velocity(x, sigma) -> v. All fp32."""
+    """Sample along sigmas (T+1,): sde.py's `kind` on `steps`, Euler elsewhere; fp32."""
     x = noise.float()
-    kept = defaultdict(list)
+    kept = []  # Rollout's fields at each SDE step
     for i in range(len(sigmas) - 1):
         v = velocity(x, sigmas[i])
         x_next, log_prob, mean, _ = sde_step(
             v, x, sigmas[i], sigmas[i + 1], kind if i in steps else "ode",
             noise_level, generator=generator, second_sigma=sigmas[1])
         if i in steps:
-            kept["latents"].append(x)
-            kept["next_latents"].append(x_next)
-            kept["log_probs"].append(log_prob)
-            kept["means"].append(mean)
+            kept.append((x, x_next, log_prob, mean))
         x = x_next
-    stacked = {name: torch.stack(values, 1) for name, values in kept.items()}
-    return Rollout(steps=list(steps), sample=x, **stacked)
+    stacked = [torch.stack(values, 1) for values in zip(*kept)]
+    return Rollout(list(steps), *stacked, sample=x)
 
 def grpo_loss(*, log_prob, old_log_prob, advantages, mean, old_mean, std, ref_mean,
               kl_sigma, dppo_std, abs_dt, trust_region, clip_range, dppo_threshold,
               adv_clip, kl_beta, accum_steps):
-    """A sampling step's loss: (loss to backward, ratio, {statistic: float}).
-    (B,): log_prob, old_log_prob (the policy's, the rollout's), advantages. The
-    step's Gaussian: mean, old_mean, ref_mean (the base model's; None: no KL), std.
-    Trust regions: clip (PPO) max(-A ratio, -A clip(ratio, 1 +- clip)), A clipped to
-    +-adv_clip; ratio-norm (GRPO-Guard) the same on sde.py's normalised ratio, /
-    abs_dt; dppo (Flow-DPPO) -A ratio where dppo_keep, its KL on dppo_std. Plus
-    kl_beta * upstream's KL, mean((mu - mu_ref)^2) / (2 kl_sigma^2) (the exact KL
-    sums over elements, / sigma_t^2 |dt|); / accum_steps, as a step sums them."""
+    """A sampling step's (loss to backward, ratio, {statistic: float}). (B,): log_prob,
+    old_log_prob (the policy's, the rollout's). ref_mean: the base model's (None: no KL);
+    upstream's KL, mean over elements / (2 kl_sigma^2); the exact one sums, / sigma_t^2 |dt|."""
     stats = {}
     log_ratio = log_prob - old_log_prob
     approx_kl = 0.5 * (log_ratio**2).mean().item()
     if trust_region == "ratio-norm":
-        log_ratio = ratio_norm_log_ratio(log_prob, old_log_prob, mean, old_mean,
-                                         std.flatten())
+        log_ratio = ratio_norm_log_ratio(log_prob, old_log_prob, mean, old_mean, std.flatten())
     ratio = torch.exp(log_ratio)
     if trust_region == "dppo":  # UniRL clips no advantage
         old_kl = step_kl(mean.detach(), old_mean, dppo_std)  # (B,)
@@ -249,13 +239,12 @@ def grpo_loss(*, log_prob, old_log_prob, advantages, mean, old_mean, std, ref_me
         stats["dppo_masked_frac"] = 1 - keep.float().mean().item()
         stats["dppo_old_kl"] = old_kl.mean().item()
         stats["dppo_old_kl_max"] = old_kl.max().item()
-        # A dropped term still counts in the mean, as upstream.
+        # As upstream, dropped terms count in the mean.
         policy_loss = torch.where(keep, -advantages * ratio, 0.0).mean()
     else:
         advantages = advantages.clamp(-adv_clip, adv_clip)
         clipped_ratio = ratio.clamp(1 - clip_range, 1 + clip_range)
-        policy_loss = torch.maximum(-advantages * ratio,
-                                    -advantages * clipped_ratio).mean()
+        policy_loss = torch.maximum(-advantages * ratio, -advantages * clipped_ratio).mean()
     if trust_region == "ratio-norm":
         policy_loss = policy_loss / abs_dt
     kl = torch.zeros((), device=log_prob.device)
@@ -266,8 +255,7 @@ def grpo_loss(*, log_prob, old_log_prob, advantages, mean, old_mean, std, ref_me
     stats["kl"] = kl.item()
     stats["approx_kl"] = approx_kl
     stats["clipfrac"] = ((ratio - 1).abs() > clip_range).float().mean().item()
-    loss = (policy_loss + kl_beta * kl) / accum_steps
-    return loss, ratio, stats
+    return (policy_loss + kl_beta * kl) / accum_steps, ratio, stats
 
 # TRY NOT TO MODIFY: helpers shared verbatim by the SD3.5 scripts
 class Text(NamedTuple):
@@ -647,10 +635,9 @@ if __name__ == "__main__":
     if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
         run_dir = os.path.dirname(parent)  # a resume goes on in its run
 
-    # ALGO LOGIC: from images to optimizer steps. Defaults, 8 GPUs: 48 prompts x 24
-    # images = 1152, 144 per GPU, 16 micro-batches of 9, each training its first
-    # int(10 x 0.99) = 9 steps (a micro-step: forward and backward). 2 updates an
-    # epoch: a step sums 8 x 9 = 72 micro-steps (accum_steps), averaged over GPUs.
+    # ALGO LOGIC: images to optimizer steps. Defaults, 8 GPUs: 48 prompts x 24 images, 144
+    # a GPU: 16 micro-batches of 9, each training int(10 x 0.99) = 9 steps (micro-steps);
+    # 2 updates an epoch, each summing 8 x 9 = 72 (accum_steps).
     if num_batches % args.updates_per_epoch:
         fail(f"{num_batches} micro-batches per GPU per epoch do not split into "
              f"--updates-per-epoch {args.updates_per_epoch}")
@@ -863,15 +850,14 @@ if __name__ == "__main__":
         epoch_text = encode(pipe, epoch_prompts, device, args.max_sequence_length)
         sampling_start = clock(device)
 
-        # ALGO LOGIC: sampling. The epoch's images, shuffled alike on every rank: each
-        # rank samples its share, and a group (a prompt's images) spans ranks.
+        # ALGO LOGIC: sampling: each rank its share of images shuffled alike; groups span ranks
         group_ids = torch.arange(args.prompts_per_epoch)
         group_ids = group_ids.repeat_interleave(args.group_size)
         group_ids = group_ids[torch.randperm(images_per_epoch, generator=prompt_gen)]
         my_groups = group_ids.view(world, num_batches, args.batch_size)[rank]
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
         transformer.eval()
-        batches = []  # (Text, Rollout) of each micro-batch
+        batches = []  # (Text, Rollout) per micro-batch
         futures = []  # their rewards
         for groups in tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet,
                            leave=False):
@@ -881,7 +867,7 @@ if __name__ == "__main__":
             window = sde_window(window_size, window_range, args.num_steps, noise_gen,
                                 epoch, args.window_shift_every, args.window_stride)
             steps = range(*window)
-            if args.sde_random_steps:  # UniRL's draw: an epoch's, on every rank
+            if args.sde_random_steps:  # UniRL's: an epoch's draw, on all ranks
                 steps = sde_steps(args.sde_random_steps, window_range, epoch)
             out = rollout(partial(velocity, text=text), noise, sigmas, steps,
                           args.sde_kind, args.noise_level, noise_gen)
@@ -917,10 +903,8 @@ if __name__ == "__main__":
                                  for group in range(args.prompts_per_epoch)])
         training_start = clock(device)
 
-        # ALGO LOGIC: training. A micro-step scores a stored step with the current
-        # weights and backpropagates grpo_loss.
-        my_advantages = advantages.to(device)
-        my_advantages = my_advantages.view(world, num_batches, args.batch_size)[rank]
+        # ALGO LOGIC: training: a micro-step backpropagates grpo_loss on a stored step
+        my_advantages = advantages.view(world, num_batches, args.batch_size)[rank].to(device)
         transformer.train()
         stats = defaultdict(list)  # a value per micro-step
         on_policy_dev = float("nan")
@@ -931,19 +915,14 @@ if __name__ == "__main__":
                 sigma = sigmas[out.steps[j]]
                 sigma_next = sigmas[out.steps[j] + 1]
                 x = out.latents[:, j]
-                x_next = out.next_latents[:, j]  # the rollout's draw
-                v = velocity(x, sigma, text)
-                _, log_prob, mean, std = sde_step(
-                    v, x, sigma, sigma_next, args.sde_kind, args.noise_level,
-                    prev_sample=x_next, second_sigma=sigmas[1])
-                ref_mean = None  # the base model's, for the KL
+                score_draw = partial(sde_step, x=x, sigma=sigma, sigma_next=sigma_next,
+                                     kind=args.sde_kind, noise_level=args.noise_level,
+                                     prev_sample=out.next_latents[:, j], second_sigma=sigmas[1])
+                _, log_prob, mean, std = score_draw(velocity(x, sigma, text))
+                ref_mean = None
                 if args.kl_beta > 0:
                     with torch.no_grad(), adapters_disabled(transformer):
-                        ref_v = velocity(x, sigma, text)
-                    _, _, ref_mean, _ = sde_step(
-                        ref_v, x, sigma, sigma_next, args.sde_kind, args.noise_level,
-                        prev_sample=x_next, second_sigma=sigmas[1])
-                # The KLs' sigmas: Flow-GRPO's sigma_t, UniRL's; CPS: the std
+                        ref_mean = score_draw(velocity(x, sigma, text))[2]
                 kl_sigma = std.flatten()
                 dppo_std = std
                 if args.sde_kind == "flow":
@@ -960,7 +939,7 @@ if __name__ == "__main__":
                 scaler.scale(loss).backward()
                 for name, value in step_stats.items():
                     stats[name].append(value)
-                if micro_step == 0:  # the rollout's weights: the ratio must be 1
+                if micro_step == 0:  # the rollout's weights: ratio must be 1
                     on_policy_dev = (ratio - 1).abs().max().item()
                     if on_policy_dev > args.clip_range / 10:
                         say(f"WARNING: on-policy |ratio - 1| = {on_policy_dev:.1e}")
@@ -970,11 +949,8 @@ if __name__ == "__main__":
                         optimizer, scaler, lora_params, args.max_grad_norm, world,
                         loss, f"epoch {epoch}, step {global_step}", run_dir)
                     global_step += 1
-            # flow_grpo's cadence: the EMA moves after each micro-batch of every
-            # ema_interval-th optimizer step ((steps + 1) % N == 0); 0: once a step.
-            if args.ema_interval == 0 or args.ema_decay == 0:
-                ema_moves = micro_step % accum_steps == 0
-            else:
+            ema_moves = micro_step % accum_steps == 0  # after each update
+            if args.ema_interval and args.ema_decay:  # flow_grpo's: each micro-batch
                 ema_moves = (global_step + 1) % args.ema_interval == 0
             if ema_moves:  # warm-up: the early EMA follows the weights
                 decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))
