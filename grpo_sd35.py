@@ -80,7 +80,7 @@ class Args:
     seed: int = 42
     """seed of the LoRA init, prompt draws and noise"""
     track: bool = False
-    """log to Weights & Biases too (WANDB_PROJECT, WANDB_ENTITY: where)"""
+    """also log to wandb (WANDB_PROJECT, WANDB_ENTITY: where)"""
     output_dir: str = "runs"
     """runs go to OUTPUT_DIR/RUN_NAME"""
     resume: str | None = None
@@ -88,9 +88,9 @@ class Args:
     eval_only: bool = False
     """evaluate --resume's EMA (its flags but those given), or the base"""
     model: str = "stabilityai/stable-diffusion-3.5-medium"
-    """hub id or local path of a diffusers StableDiffusion3Pipeline"""
+    """hub id or path of a diffusers StableDiffusion3Pipeline"""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
-    """dtype of the frozen weights (LoRA and VAE: fp32), with autocast"""
+    """dtype of the frozen weights (LoRA, VAE: fp32), with autocast"""
     gradient_checkpointing: bool = False
     """recompute activations in backward (less memory, ~30% slower)"""
     compile: bool = torch.cuda.is_available()
@@ -100,7 +100,7 @@ class Args:
     lora_alpha: Annotated[int, "> 0"] = 64
     """LoRA alpha (scale = alpha / rank)"""
     lora_targets: tuple[str, ...] = LORA_TARGETS
-    """the layers it adapts: names or dotted ends (peft's target_modules)"""
+    """layers to adapt: names or dotted ends (peft's target_modules)"""
     train_prompts: str = "prompts/train.txt"
     """a prompt per line, or JSONL: `prompt` and fields for the reward"""
     test_prompts: str = "prompts/test.txt"
@@ -108,7 +108,7 @@ class Args:
     reward: str = "ocr"
     """rewards.py name, weighted sum `ocr=1,pickscore=0.5`, `file.py:fn`"""
     eval_reward: str | None = None
-    """reward of eval (None: the training reward)"""
+    """eval's reward (None: --reward)"""
     advantage_aggregation: Literal["sum", "gdpo"] = "sum"
     """normalise the rewards' weighted sum, or each, then sum (GDPO)"""
     per_group_std: bool = False
@@ -136,7 +136,7 @@ class Args:
     allow_tf32: bool = False
     """TF32 matmuls on CUDA for the fp32 parts (VAE decode, LoRA)"""
     push_to_hub: bool = False
-    """at the end, upload the final ema_lora/ and its card to the Hub"""
+    """upload the final ema_lora/ and its card to the Hub"""
     hub_model_id: str | None = None
     """its Hub repository (None: YOUR_HUB_NAME/EXP_NAME)"""
     hub_private: bool = False
@@ -190,7 +190,7 @@ class Args:
     """keep every N-th epoch's checkpoint (each is saved)"""
 
 # TRY NOT TO MODIFY: what --resume must match, ranges
-STATE_FLAGS = ["model", "lora_rank", "lora_alpha", "lora_targets"]  # --resume's
+STATE_FLAGS = ["model", "lora_rank", "lora_alpha", "lora_targets"]
 RANGES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: x >= 2,
           "> 0": lambda x: x > 0, "in [0, 1)": lambda x: 0 <= x < 1,
           "in (0, 1]": lambda x: 0 < x <= 1, "in [0, 1]": lambda x: 0 <= x <= 1}
@@ -257,7 +257,7 @@ def grpo_loss(*, log_prob, old_log_prob, advantages, mean, old_mean, std, ref_me
     stats["clipfrac"] = ((ratio - 1).abs() > clip_range).float().mean().item()
     return (policy_loss + kl_beta * kl) / accum_steps, ratio, stats
 
-# TRY NOT TO MODIFY: helpers shared verbatim by the SD3.5 scripts
+# TRY NOT TO MODIFY: the shared helpers
 class Text(NamedTuple):
     """Encoded prompts: T5 + CLIP tokens (B, L, 4096), pooled CLIP (B, 2048)."""
     embeds: torch.Tensor
@@ -272,7 +272,6 @@ def say(message: str):
         print(message, flush=True)
 
 def check_ranges(args):
-    """Every number flag is finite and >= 0, or in its annotated range."""
     for field in fields(args):
         value = getattr(args, field.name)
         allowed = getattr(field.type, "__metadata__", [">= 0"])[0]
@@ -302,7 +301,7 @@ def check_args(args) -> dict | None:
             fail(f"--resume {args.resume!r}: {state}")
     if args.resume:
         say(f"resuming from {args.resume}")
-    if args.resume and args.eval_only:  # the checkpoint's flags, but those given
+    if args.resume and args.eval_only:
         given = {word[2:].split("=")[0].removeprefix("no-").replace("-", "_")
                  for word in sys.argv[1:] if word.startswith("--")}
         for name, value in state["args"].items():
@@ -316,7 +315,7 @@ def check_args(args) -> dict | None:
         tempfile.TemporaryFile(dir=args.output_dir).close()
     except OSError as error:
         fail(f"--output-dir {args.output_dir!r}: {error.strerror}")
-    try:  # configs only: the resolution's factor, before the weights
+    try:  # configs only, before the weights
         vae = AutoencoderKL.load_config(args.model, subfolder="vae")
         dit = SD3Transformer2DModel.load_config(args.model, subfolder="transformer")
     except Exception as error:
@@ -327,8 +326,7 @@ def check_args(args) -> dict | None:
         fail(f"--resolution {args.resolution} is not a positive multiple of {factor} "
              "(VAE downsampling x patch size)")
     with torch.device("meta"):  # the layers' names, not their weights
-        layers = SD3Transformer2DModel.from_config(dit).named_modules()
-        names = [f".{name}" for name, _ in layers]
+        names = [f".{name}" for name, _ in SD3Transformer2DModel.from_config(dit).named_modules()]
     for target in args.lora_targets:  # matched as peft does
         if not any(name.endswith(f".{target}") for name in names):
             fail(f"--lora-targets {target} names no layer of {args.model}")
@@ -346,7 +344,7 @@ def check_args(args) -> dict | None:
     if not args.resume:
         return None
     script = os.path.basename(__file__)
-    if state.get("script") != script:  # e.g. a CRD run's, in GRPO
+    if state.get("script") != script:
         fail(f"--resume {args.resume!r} is not a checkpoint of {script}")
     for name in STATE_FLAGS:
         if state["args"][name] != getattr(args, name):
@@ -370,7 +368,6 @@ def load_state(save: str) -> dict | str:
     return torch.load(io.BytesIO(data), map_location="cpu")
 
 def load_prompts(path: str) -> tuple[list[str], list[dict]]:
-    """A prompt per line, or JSONL with a `prompt`: prompts and metadata."""
     if not os.path.isfile(path):
         fail(f"prompt file {path!r} does not exist (docs/usage.md: prompt sets)")
     with open(path, encoding="utf-8-sig") as file:  # a BOM is no part of a prompt
@@ -386,7 +383,7 @@ def load_prompts(path: str) -> tuple[list[str], list[dict]]:
         fail(f"every line of {path!r} must be a JSON object with a 'prompt' ({error!r})")
 
 def all_gather_cat(tensor: torch.Tensor, world: int) -> torch.Tensor:
-    """Concatenate an equally shaped tensor from every rank, in rank order."""
+    """Every rank's equally shaped tensor, concatenated in rank order."""
     if world == 1:
         return tensor
     gathered = [torch.empty_like(tensor) for _ in range(world)]
@@ -409,8 +406,7 @@ def predict_velocity(transformer, x, sigma, text: Text, negative: Text,
                      guidance_scale: float) -> torch.Tensor:
     """CFG's velocity u + g (c - u) at sigma (a float or (B,)), one forward."""
     cfg = guidance_scale != 1.0
-    timestep = 1000 * torch.as_tensor(sigma, device=x.device, dtype=torch.float32)
-    timestep = timestep.expand(x.shape[0])
+    timestep = 1000 * torch.as_tensor(sigma, device=x.device, dtype=torch.float32).expand(len(x))
     embeds, pooled = text
     if cfg:
         x = torch.cat([x, x])
@@ -439,16 +435,13 @@ def decode(vae, latents) -> torch.Tensor:
     latents = latents.float() / vae.config.scaling_factor + vae.config.shift_factor
     return (vae.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
 
-def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where,
-                   run_dir):
-    """All-reduce, unscale, clip, check, step: the grad norm before the clip."""
+def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where, run_dir):
     if world > 1:
         flat = torch.nn.utils.parameters_to_vector(p.grad for p in params)
         dist.all_reduce(flat)
-        grads = [p.grad for p in params]
-        torch.nn.utils.vector_to_parameters(flat / world, grads)
+        torch.nn.utils.vector_to_parameters(flat / world, [p.grad for p in params])
     scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)  # before the clip
     if not scaler.is_enabled():  # fp16's scaler skips non-finite steps itself
         check_finite(where, run_dir, loss=loss, gradient=grad_norm)
     scaler.step(optimizer)
@@ -461,12 +454,11 @@ def save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
     """lora/, ema_lora/ (diffusers LoRAs), state.pt, its checksum last; then renamed."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    config = transformer.peft_config["default"].to_dict()
     for name, copies in [("lora", []), ("ema_lora", ema_params)]:
         with swapped(lora_params, copies):  # [] swaps nothing in
             StableDiffusion3Pipeline.save_lora_weights(
                 os.path.join(tmp, name), get_peft_model_state_dict(transformer),
-                transformer_lora_adapter_metadata=config)
+                transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict())
     extra = {name: [p.cpu() for p in copies] for name, copies in snapshots.items()}
     state = io.BytesIO()  # Python writes it: a full disk is an OSError naming it
     torch.save({"lora": [p.detach().cpu() for p in lora_params],
@@ -529,7 +521,7 @@ def last_checkpoint(run_dir: str) -> str:
 
 @contextmanager
 def swapped(params, copies):
-    """Temporarily swap `copies` (the EMA, a snapshot) into the live parameters."""
+    """Swap `copies` (the EMA, a snapshot) into the live parameters, and back."""
     for p, copy in zip(params, copies):
         p.data, copy.data = copy.data, p.data
     try:
@@ -540,7 +532,6 @@ def swapped(params, copies):
 
 @contextmanager
 def adapters_disabled(transformer):
-    """The base model: the same transformer, its LoRA switched off."""
     transformer.disable_adapters()
     try:
         yield
@@ -548,7 +539,7 @@ def adapters_disabled(transformer):
         transformer.enable_adapters()
 
 def prepare_run_dir(run_dir: str, start_epoch: int):
-    """Go on at start_epoch: drop crashed saves, and the later epochs' saves and lines."""
+    """Drop crashed saves, and the saves and metrics lines after start_epoch."""
     folder = os.path.join(run_dir, "checkpoints")
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
         if name[0] == "." or int(name[-5:]) > start_epoch:  # hidden: a crashed save
@@ -587,7 +578,6 @@ def clock(device) -> float:
     return time.perf_counter()
 
 def check_finite(where: str, run_dir: str, **values):
-    """Stop, naming the first non-finite value and the last checkpoint."""
     for name, value in values.items():
         if not torch.isfinite(torch.as_tensor(value)).all():
             fail(f"non-finite {name} at {where}; stopping. Last checkpoint: "
@@ -597,9 +587,7 @@ if __name__ == "__main__":
     # TRY NOT TO MODIFY: input checks and rewards, before the model loads
     args = tyro.cli(Args, description=__doc__.split("\n\n")[0])
     state = check_args(args)
-    train_prompts, train_meta = [], []  # --eval-only trains on none
-    if not args.eval_only:
-        train_prompts, train_meta = load_prompts(args.train_prompts)
+    train_prompts, train_meta = ([], []) if args.eval_only else load_prompts(args.train_prompts)
     test_prompts, test_meta = load_prompts(args.test_prompts)
     rank = int(os.environ.get("RANK", 0))  # torchrun's
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -608,9 +596,9 @@ if __name__ == "__main__":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
-    if "RANK" in os.environ:  # set by torchrun
+    if "RANK" in os.environ:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    quiet = rank != 0 or not sys.stderr.isatty()  # bars on rank 0's terminal
+    quiet = rank != 0 or not sys.stderr.isatty()
     if quiet:  # the model-loading bars too
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
@@ -628,9 +616,8 @@ if __name__ == "__main__":
     if images_per_epoch % (world * args.batch_size):
         fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split "
              f"into {world} GPUs x --batch-size {args.batch_size}")
-    local_images = images_per_epoch // world  # sampled by this rank per epoch
-    num_batches = local_images // args.batch_size
-    run_dir = None  # a new run's is made once the model has loaded
+    num_batches = images_per_epoch // world // args.batch_size  # this rank's, per epoch
+    run_dir = None
     parent = os.path.dirname(os.path.abspath(args.resume or "."))
     if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
         run_dir = os.path.dirname(parent)  # a resume goes on in its run
@@ -668,7 +655,7 @@ if __name__ == "__main__":
     pipe = StableDiffusion3Pipeline.from_pretrained(
         args.model, dtype={"default": dtype, "vae": torch.float32}).to(device)
     transformer = pipe.transformer
-    transformer.requires_grad_(False)  # the LoRA alone trains
+    transformer.requires_grad_(False)
     torch.manual_seed(args.seed)  # the LoRA init, alike on all ranks
     transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
                                        init_lora_weights="gaussian",
@@ -692,10 +679,8 @@ if __name__ == "__main__":
     negative = encode(pipe, [""], device, args.max_sequence_length)  # CFG's, once
 
     def velocity(x, sigma, text: Text, guidance_scale=args.guidance_scale):
-        """The transformer's velocity at (x, sigma) for `text`, with CFG."""
         with autocast:
-            return predict_velocity(transformer, x, sigma, text, negative,
-                                    guidance_scale)
+            return predict_velocity(transformer, x, sigma, text, negative, guidance_scale)
 
     # ALGO LOGIC: the sigma grids, the algorithm's LoRA snapshots
     pipe.scheduler.set_timesteps(args.num_steps, device=device)
@@ -708,11 +693,9 @@ if __name__ == "__main__":
     start_epoch = 0
     global_step = 0
     if state is not None:
-        for p, saved in zip(lora_params + ema_params, state["lora"] + state["ema"]):
-            p.data.copy_(saved)
-        for name, copies in snapshots.items():
-            for p, saved in zip(copies, state["extra"][name]):
-                p.data.copy_(saved)
+        saved = state["lora"] + state["ema"] + sum(state["extra"].values(), [])
+        for p, value in zip(lora_params + ema_params + sum(snapshots.values(), []), saved):
+            p.data.copy_(value)
         optimizer.load_state_dict(state["optimizer"])
         start_epoch = state["next_epoch"]
         global_step = state["global_step"]
@@ -729,8 +712,7 @@ if __name__ == "__main__":
         prepare_run_dir(run_dir, start_epoch)
     if args.track and rank == 0:
         import wandb
-        wandb.init(name=os.path.basename(run_dir), config=vars(args), save_code=True,
-                   dir=run_dir)
+        wandb.init(name=os.path.basename(run_dir), config=vars(args), save_code=True, dir=run_dir)
 
     def stop(reason: str, code: int = 1):
         """End at once, queued rewards dropped: the run is in its checkpoints."""
@@ -765,7 +747,6 @@ if __name__ == "__main__":
         by_prompt = {}  # test prompt -> its items
         for item in items:
             by_prompt.setdefault(test_prompts[item[0]], []).append(item)
-        # The contact sheet: the first 4 samples of the first 4 test prompts
         shown = [item for row in list(by_prompt.values())[:4] for item in row[:4]]
         transformer.eval()  # as in sampling: compiled graphs depend on the mode
         results = {}  # item -> its scores, 32x32 thumbnail, image if shown
@@ -781,10 +762,9 @@ if __name__ == "__main__":
             with swapped(lora_params, ema_params):
                 final = ode_sample(partial(velocity, text=text), noise, eval_sigmas)
                 moved = velocity(noise, eval_sigmas[0], text)
-            with adapters_disabled(transformer):  # for the drift
+            with adapters_disabled(transformer):
                 base = velocity(noise, eval_sigmas[0], text)
-            drift = (moved - base).flatten(1).norm(dim=1)
-            drift = drift / base.flatten(1).norm(dim=1)  # relative, per sample
+            drift = (moved - base).flatten(1).norm(dim=1) / base.flatten(1).norm(dim=1)
             images = decode(pipe.vae, final)
             meta = [test_meta[i] for i, _ in batch]
             try:
@@ -792,8 +772,7 @@ if __name__ == "__main__":
             except rewards.RewardError as error:
                 stop(f"error: {error} in the eval after {epoch} epochs")
             columns = {"reward_mean": batch_scores, "lora_drift": drift, **info}
-            pixels = images.permute(0, 2, 3, 1).cpu().numpy() * 255
-            pixels = pixels.round().astype(np.uint8)
+            pixels = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
             small = torch.nn.functional.interpolate(images, size=32, mode="area")
             for j, item in enumerate(batch):
                 row = {name: float(values[j]) for name, values in columns.items()}
@@ -813,7 +792,7 @@ if __name__ == "__main__":
                      for group in groups if len(group) > 1]
         if distances:  # RMS pixel distance of two samples of one prompt
             means["diversity"] = float(torch.stack(distances).mean())
-        if rank == 0:  # a row per test prompt, labelled with its mean reward
+        if rank == 0:  # a row per prompt, labelled with its mean reward
             labelled = []
             for text, row in by_prompt.items():
                 reward = np.mean([results[item][0]["reward_mean"] for item in row])
@@ -836,15 +815,12 @@ if __name__ == "__main__":
         epoch_start = clock(device)
         metrics = run_eval(epoch) if epoch % args.eval_every == 0 else {}
         text_start = clock(device)
-        # The same prompts on every rank: distinct, if the file has enough.
-        prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
+        prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)  # alike on all ranks
         num_prompts = len(train_prompts)
         if num_prompts >= args.prompts_per_epoch:
-            chosen = torch.randperm(num_prompts, generator=prompt_gen)
-            chosen = chosen[: args.prompts_per_epoch]
+            chosen = torch.randperm(num_prompts, generator=prompt_gen)[: args.prompts_per_epoch]
         else:
-            chosen = torch.randint(num_prompts, (args.prompts_per_epoch,),
-                                   generator=prompt_gen)
+            chosen = torch.randint(num_prompts, (args.prompts_per_epoch,), generator=prompt_gen)
         epoch_prompts = [train_prompts[i] for i in chosen]  # group g's is row g
         epoch_meta = [train_meta[i] for i in chosen]
         epoch_text = encode(pipe, epoch_prompts, device, args.max_sequence_length)
@@ -877,28 +853,24 @@ if __name__ == "__main__":
             futures.append(executor.submit(reward_fn, images, prompts, meta))
             batches.append((text, out))
 
-        # TRY NOT TO MODIFY: all ranks' rewards, in rank order, and the advantages
+        # TRY NOT TO MODIFY: all ranks' rewards and the advantages
         reward_start = clock(device)
         try:
             scores, infos = zip(*[future.result() for future in futures])
         except rewards.RewardError as error:
             stop(f"error: {error} at epoch {epoch}")
         info = {name: torch.cat([part[name] for part in infos]) for name in infos[0]}
-        all_rewards = torch.cat(scores).float().to(device)
-        all_rewards = all_gather_cat(all_rewards, world).cpu()  # (P*G,)
+        all_rewards = all_gather_cat(torch.cat(scores).float().to(device), world).cpu()  # (P*G,)
         all_components = {name: all_gather_cat(info[name].to(device), world).cpu()
                           for name in reward_fn.weights}
         extras = {f"reward/{name}": values.mean().item()  # e.g. pickscore_raw
                   for name, values in info.items() if name not in reward_fn.weights}
         extras = rank_mean(extras, world, device)
         if reward_fn.group_transform is not None:  # e.g. ranks within each group
-            all_rewards, all_components = reward_fn.group_transform(all_components,
-                                                                    group_ids)
+            all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
         advantages = compute_advantages(all_rewards, all_components, reward_fn.weights,
-                                        group_ids, args.advantage_aggregation,
-                                        args.per_group_std)
-        check_finite(f"epoch {epoch}", run_dir, reward=all_rewards,
-                     advantage=advantages)
+                                        group_ids, args.advantage_aggregation, args.per_group_std)
+        check_finite(f"epoch {epoch}", run_dir, reward=all_rewards, advantage=advantages)
         group_std = torch.stack([all_rewards[group_ids == group].std(unbiased=False)
                                  for group in range(args.prompts_per_epoch)])
         training_start = clock(device)
@@ -969,9 +941,7 @@ if __name__ == "__main__":
         # TRY NOT TO MODIFY: shared metrics, the line, checkpoint, final eval
         epoch_end = clock(device)
         epoch_seconds = epoch_end - epoch_start
-        compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        # Peak memory: the process's (KiB on Linux) or the GPU's.
-        max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+        max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
         if device.type == "cuda":
             max_mem_gb = torch.cuda.max_memory_allocated(device) / 1e9
         metrics.update({
@@ -979,8 +949,7 @@ if __name__ == "__main__":
             "reward/mean": all_rewards.mean().item(),
             "reward/std": all_rewards.std(unbiased=False).item(),
             "reward/zero_std_group_frac": (group_std == 0).float().mean().item(),
-            **{f"reward/{name}": part.mean().item()
-               for name, part in all_components.items()},
+            **{f"reward/{name}": part.mean().item() for name, part in all_components.items()},
             **extras,
             "charts/global_step": global_step,
             "charts/learning_rate": args.learning_rate,
@@ -991,13 +960,12 @@ if __name__ == "__main__":
             "perf/sampling_seconds": reward_start - sampling_start,
             "perf/reward_seconds": training_start - reward_start,
             "perf/training_seconds": epoch_end - training_start,
-            "perf/compiled_graphs": compiled_graphs,
+            "perf/compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
             "perf/max_mem_gb": max_mem_gb})
         if rank == 0:
             line = (f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± "
                     f"{metrics['reward/std']:.4f} | {summary} | "
-                    f"{metrics['perf/images_per_sec']:.2f} img/s | "
-                    f"{epoch_seconds:.0f}s")
+                    f"{metrics['perf/images_per_sec']:.2f} img/s | {epoch_seconds:.0f}s")
             if "eval/reward_mean" in metrics:
                 line += (f" | eval {metrics['eval/reward_mean']:.4f} ± "
                          f"{metrics['eval/reward_stderr']:.4f}")
@@ -1010,8 +978,7 @@ if __name__ == "__main__":
             if rank == 0:
                 save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
                                 optimizer, epoch + 1, global_step, args)
-                prune_checkpoints(run_dir, path, args.save_every,
-                                  args.checkpoints_total_limit)
+                prune_checkpoints(run_dir, path, args.save_every, args.checkpoints_total_limit)
             if world > 1:
                 dist.barrier()
             if last:  # the saved file's score, not the memory's
