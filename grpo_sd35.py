@@ -133,8 +133,6 @@ class Args:
     """eval noise: a sample per test prompt and seed (tune on others)"""
     checkpoints_total_limit: Annotated[int | None, ">= 1"] = None
     """keep the newest N of the --save-every grid (None: all)"""
-    allow_tf32: bool = False
-    """TF32 matmuls on CUDA for the fp32 parts (VAE decode, LoRA)"""
     push_to_hub: bool = False
     """upload the final ema_lora/ and its card to the Hub"""
     hub_model_id: str | None = None
@@ -485,11 +483,12 @@ def write_card(run_dir: str, args, images_per_epoch: int):
     with open(os.path.join(run_dir, "metrics.jsonl")) as file:
         evals = [(row[key + "sheet"], row[key + "reward_mean"]) for row in map(json.loads, file)
                  for key in ["eval/", "eval/final_"] if key + "sheet" in row]
+    evals = [(sheet, math.nan if x is None else x) for sheet, x in evals]  # null: NaN
     name = os.path.basename(__file__)
-    about = " ".join(__doc__[: __doc__.index("Docs:")].split())  # and the paper
+    about = " ".join(__doc__[: __doc__.index("Docs:")].split())
     flags = ", ".join(f"`--{flag.replace('_', '-')} {value}`" for flag, value in vars(args).items())
     for sheet, reward in evals:
-        epochs = int(sheet[5:10])  # eval_00060.png: after 60 epochs
+        epochs = int(sheet[5:10])  # eval_00060.png
         save = os.path.join(run_dir, "checkpoints", f"epoch_{epochs:05d}")
         if not os.path.isdir(save):  # the base model's, or pruned
             continue
@@ -595,7 +594,6 @@ if __name__ == "__main__":
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
     if "RANK" in os.environ:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     quiet = rank != 0 or not sys.stderr.isatty()
@@ -616,7 +614,8 @@ if __name__ == "__main__":
     if images_per_epoch % (world * args.batch_size):
         fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split "
              f"into {world} GPUs x --batch-size {args.batch_size}")
-    num_batches = images_per_epoch // world // args.batch_size  # this rank's, per epoch
+    local_images = images_per_epoch // world  # sampled by this rank per epoch
+    num_batches = local_images // args.batch_size
     run_dir = None
     parent = os.path.dirname(os.path.abspath(args.resume or "."))
     if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
