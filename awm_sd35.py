@@ -68,6 +68,11 @@ from sde import compute_advantages, sde_step
 #   grad_norm    the gradient norm of the last optimizer step
 #   summary      the algorithm's part of the epoch's line on stdout
 
+# The joint-attention projections of every MMDiT block, as flow_grpo, NFT and AWM
+LORA_TARGETS = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj",
+                "attn.to_add_out", "attn.to_k", "attn.to_out.0", "attn.to_q",
+                "attn.to_v")
+
 @dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -75,11 +80,7 @@ class Args:
     seed: int = 42
     """seed of the LoRA init, prompt draws and noise"""
     track: bool = False
-    """log to Weights & Biases too"""
-    wandb_project: str = "flowrl"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (None: your default one)"""
+    """also log to wandb (WANDB_PROJECT, WANDB_ENTITY: where)"""
     output_dir: str = "runs"
     """runs go to OUTPUT_DIR/RUN_NAME"""
     resume: str | None = None
@@ -87,17 +88,19 @@ class Args:
     eval_only: bool = False
     """evaluate --resume's EMA (its flags but those given), or the base"""
     model: str = "stabilityai/stable-diffusion-3.5-medium"
-    """hub id or local path of a diffusers StableDiffusion3Pipeline"""
+    """hub id or path of a diffusers StableDiffusion3Pipeline"""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
-    """dtype of the frozen weights (LoRA and VAE: fp32), with autocast"""
+    """dtype of the frozen weights (LoRA, VAE: fp32), with autocast"""
     gradient_checkpointing: bool = False
     """recompute activations in backward (less memory, ~30% slower)"""
     compile: bool = torch.cuda.is_available()
     """torch.compile each transformer block (~2x faster; on with CUDA)"""
     lora_rank: Annotated[int, ">= 1"] = 32
-    """LoRA rank on the 8 joint-attention projections of every block"""
+    """LoRA rank"""
     lora_alpha: Annotated[int, "> 0"] = 64
     """LoRA alpha (scale = alpha / rank)"""
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    """layers to adapt: names or dotted ends (peft's target_modules)"""
     train_prompts: str = "prompts/train.txt"
     """a prompt per line, or JSONL: `prompt` and fields for the reward"""
     test_prompts: str = "prompts/test.txt"
@@ -105,7 +108,7 @@ class Args:
     reward: str = "ocr"
     """rewards.py name, weighted sum `ocr=1,pickscore=0.5`, `file.py:fn`"""
     eval_reward: str | None = None
-    """reward of eval (None: the training reward)"""
+    """eval's reward (None: --reward)"""
     advantage_aggregation: Literal["sum", "gdpo"] = "sum"
     """normalise the rewards' weighted sum, or each, then sum (GDPO)"""
     per_group_std: bool = False
@@ -130,11 +133,17 @@ class Args:
     """eval noise: a sample per test prompt and seed (tune on others)"""
     checkpoints_total_limit: Annotated[int | None, ">= 1"] = None
     """keep the newest N of the --save-every grid (None: all)"""
+    push_to_hub: bool = False
+    """upload the final ema_lora/ and its card to the Hub"""
+    hub_model_id: str | None = None
+    """its Hub repository (None: YOUR_HUB_NAME/EXP_NAME)"""
+    hub_private: bool = False
+    """make that repository private"""
     # Algorithm-specific arguments (defaults: the paper's OCR run)
     max_sequence_length: Annotated[int, ">= 1"] = 128
     """T5 tokens per prompt"""
     num_steps: Annotated[int, ">= 1"] = 14
-    """rollout steps; training timesteps come from the same SD3 grid"""
+    """rollout steps; training timesteps come from their grid"""
     guidance_scale: float = 1.0
     """CFG scale of rollouts, training and eval (1: no CFG, as upstream)"""
     sampler: Literal["sa_solver", "flow_sde", "ode"] = "sa_solver"
@@ -148,13 +157,13 @@ class Args:
     batch_size: Annotated[int, ">= 1"] = 6
     """per-GPU rollout batch"""
     train_batch_size: Annotated[int, ">= 1"] = 3
-    """per-GPU training micro-batch; a forward is train_timesteps x this wide"""
+    """per-GPU training micro-batch (a forward: train_timesteps x this)"""
     ema_decay: Annotated[float, "in [0, 1)"] = 0.99
     """EMA decay of the LoRA used for eval and the saved `ema_lora` (0: off)"""
     train_timesteps: Annotated[int, ">= 1"] = 6
     """K: timesteps per micro-batch, one per stratum, shared by its samples"""
     time_type: Literal["discrete_wo_init", "discrete"] = "discrete_wo_init"
-    """strata from grid index 1 (never sigma = 1) or 0 (stratified_timestep_indices)"""
+    """timestep strata from grid index 1 (never sigma = 1) or 0"""
     timestep_fraction: Annotated[float, "in (0, 1]"] = 0.9
     """train on this fraction of the grid (its least noisy steps are left out)"""
     adv_clip: Annotated[float, "> 0"] = 5.0
@@ -168,26 +177,20 @@ class Args:
     save_every: Annotated[int, ">= 1"] = 20
     """checkpoint every N epochs (and after the last; GenEval, PickScore: 50)"""
 
-# TRY NOT TO MODIFY: the LoRA's layers, what --resume must match, ranges
-# The joint-attention projections of every MMDiT block, as flow_grpo, NFT and AWM
-LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj",
-                "attn.to_add_out", "attn.to_k", "attn.to_out.0", "attn.to_q",
-                "attn.to_v"]
-STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other values
+# TRY NOT TO MODIFY: what --resume must match, ranges
+STATE_FLAGS = ["model", "lora_rank", "lora_alpha", "lora_targets"]
 RANGES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: x >= 2,
           "> 0": lambda x: x > 0, "in [0, 1)": lambda x: 0 <= x < 1,
           "in (0, 1]": lambda x: 0 < x <= 1, "in [0, 1]": lambda x: 0 <= x <= 1}
 
 # ALGO LOGIC: the samplers and the loss
-
 @torch.no_grad()
 def sa_solver_sample(velocity, scheduler, noise, sigmas, tau, tau_window,
                      generator) -> torch.Tensor:
-    """SA-Solver (arXiv:2309.05019) from noise to the sample, fp32, with
-    velocity(x, sigma) -> v. Steps into a sigma inside tau_window have
-    noise tau, the others none. diffusers' own grid never reaches sigma 0,
-    upstream's does: SD3's `sigmas` less the 0, from 1 - 1e-3, the last
-    point halved; the last call's x - sigma v is the sample."""
+    """SA-Solver (arXiv:2309.05019), fp32, velocity(x, sigma) -> v; steps
+    into a sigma in tau_window have noise tau, others none. Upstream's grid,
+    as diffusers' never reaches sigma 0: SD3's less the 0, from 1 - 1e-3,
+    the last point halved, where x - sigma v is the sample."""
     grid = sigmas[:-1].clone()  # (T,)
     grid[-1] = grid[-2] / 2  # first: at T = 2, grid[-2] is grid[0]
     grid[0] = 1 - 1e-3
@@ -195,11 +198,10 @@ def sa_solver_sample(velocity, scheduler, noise, sigmas, tau, tau_window,
     scheduler.sigmas = torch.cat([grid, grid[-1:]]).cpu()
     scheduler.timesteps = (1000 * grid).cpu()
     # diffusers asks for tau by source timestep; upstream decides by target.
-    step_tau = {}
     low, high = tau_window
     targets = grid[1:].tolist()
-    for timestep, sigma_next in zip(scheduler.timesteps.tolist(), targets):
-        step_tau[timestep] = tau if low <= sigma_next <= high else 0.0
+    step_tau = {timestep: tau if low <= sigma_next <= high else 0.0
+                for timestep, sigma_next in zip(scheduler.timesteps.tolist(), targets)}
     scheduler.tau_func = lambda timestep: step_tau[float(timestep)]
     x = noise.float()
     for i, sigma in enumerate(grid.tolist()):
@@ -219,26 +221,24 @@ def sde_sample(velocity, noise, sigmas, kind, noise_level,
     x = noise.float()
     for i in range(len(sigmas) - 1):
         v = velocity(x, sigmas[i])
-        x, _, _, _ = sde_step(v, x, sigmas[i], sigmas[i + 1], kind, noise_level,
-                              generator=generator, second_sigma=sigmas[1])
+        x = sde_step(v, x, sigmas[i], sigmas[i + 1], kind, noise_level,
+                     generator=generator, second_sigma=sigmas[1])[0]
     return x
 
 def stratified_timestep_indices(num_train_steps, count, time_type, generator):
-    """`count` grid indices, a uniform draw from each stratum [b_i, b_i+1),
-    b = floor(linspace(low, num_train_steps, count + 1)); low: 1 for
-    'discrete_wo_init' (never sigma = 1), 0 for 'discrete'. An empty
-    stratum yields its lower end."""
+    """`count` grid indices, a uniform draw from each stratum of [low,
+    num_train_steps) cut at linspace, low 0 for 'discrete', else 1 (never
+    sigma = 1). An empty stratum yields its lower end."""
     low = 0 if time_type == "discrete" else 1
     bounds = torch.linspace(low, num_train_steps, count + 1).long()
-    uniform = torch.rand(count, generator=generator, device=generator.device)
-    uniform = uniform.cpu()
+    uniform = torch.rand(count, generator=generator, device=generator.device).cpu()
     return bounds[:-1] + (uniform * (bounds[1:] - bounds[:-1])).long()
 
 def awm_log_prob(v, x0, noise, t, power=0.25):
-    """AWM's log-likelihood proxy (B,), float64: -(t / p)((l + eps)^p -
-    eps^p), l the flow-matching error of v at x_t = (1 - t) x0 + t noise.
-    Its gradient -t (l + eps)^(p - 1) damps the samples the model fits
-    worst; eps = 1e-10 keeps it finite at l = 0."""
+    """AWM's log-likelihood proxy (B,), float64, upstream's 'ghuber':
+    -(t / p)((l + eps)^p - eps^p), l the flow-matching error of v at x_t =
+    (1 - t) x0 + t noise. Its gradient -t (l + eps)^(p - 1) damps the
+    samples the model fits worst; eps = 1e-10 keeps it finite at l = 0."""
     target = noise.double() - x0.double()  # the velocity from x0 to noise
     error = ((v.double() - target) ** 2).flatten(1).mean(1)  # l: (B,)
     t = torch.as_tensor(t, dtype=torch.float64, device=error.device)
@@ -246,19 +246,14 @@ def awm_log_prob(v, x0, noise, t, power=0.25):
 
 def awm_loss(*, log_prob, advantages, v, v_base, v_anchor, adv_clip,
              kl_beta, anchor_beta, accum_steps):
-    """A micro-batch's loss: (loss to backward, {statistic: float}).
-
-    (N,), N = K timesteps x B samples: log_prob (awm_log_prob's),
-    advantages. (N, C, h, w): v, v_base, v_anchor, the velocities of the
-    LoRA, the base model and the anchor (None: no such term).
-    - A = clip(advantages, +-adv_clip) / adv_clip, in [-1, 1]: no outlier
-      dominates;
-    - -A ratio, ratio = exp(logp - logp.detach()) = 1 with logp's gradient:
-      flow matching towards good samples, away from bad ones (on-policy:
-      upstream's PPO clip never acts);
-    - kl_beta mean((v - v_base)^2) keeps the LoRA near the base model, and
-      anchor_beta mean((v - v_anchor)^2) near a trailing copy of itself;
-    - / accum_steps: the optimizer step sums the micro-batches' gradients."""
+    """A micro-batch's (loss to backward, {statistic: float}). (N,), N = K
+    timesteps x B samples: log_prob, advantages; (N, C, h, w): v, v_base,
+    v_anchor, the velocities of the LoRA, the base model and the anchor
+    (None: no such term). Clipped, the advantages A let no outlier
+    dominate; ratio = exp(logp - logp.detach()) is 1 with logp's gradient:
+    -A ratio is flow matching towards good samples, away from bad ones
+    (on-policy: upstream's PPO clip never acts). / accum_steps: the
+    optimizer step sums the micro-batches' gradients."""
     advantages = advantages.double().clamp(-adv_clip, adv_clip) / adv_clip
     ratio = torch.exp(log_prob - log_prob.detach())
     policy_loss = (-advantages * ratio).mean()
@@ -273,7 +268,7 @@ def awm_loss(*, log_prob, advantages, v, v_base, v_anchor, adv_clip,
              "anchor_kl": anchor_kl.item()}
     return loss / accum_steps, stats
 
-# TRY NOT TO MODIFY: helpers shared verbatim by the SD3.5 scripts
+# TRY NOT TO MODIFY: the shared helpers
 class Text(NamedTuple):
     """Encoded prompts: T5 + CLIP tokens (B, L, 4096), pooled CLIP (B, 2048)."""
     embeds: torch.Tensor
@@ -288,7 +283,6 @@ def say(message: str):
         print(message, flush=True)
 
 def check_ranges(args):
-    """Every number flag is finite and >= 0, or in its annotated range."""
     for field in fields(args):
         value = getattr(args, field.name)
         allowed = getattr(field.type, "__metadata__", [">= 0"])[0]
@@ -318,11 +312,11 @@ def check_args(args) -> dict | None:
             fail(f"--resume {args.resume!r}: {state}")
     if args.resume:
         say(f"resuming from {args.resume}")
-    if args.resume and args.eval_only:  # the checkpoint's flags, but those given
+    if args.resume and args.eval_only:
         given = {word[2:].split("=")[0].removeprefix("no-").replace("-", "_")
                  for word in sys.argv[1:] if word.startswith("--")}
         for name, value in state["args"].items():
-            if name not in given | {"resume", "eval_only"}:
+            if name not in given | {"resume", "eval_only", "push_to_hub"}:
                 setattr(args, name, value)
     check_ranges(args)
     if args.mixed_precision == "fp16" and not torch.cuda.is_available():
@@ -332,7 +326,7 @@ def check_args(args) -> dict | None:
         tempfile.TemporaryFile(dir=args.output_dir).close()
     except OSError as error:
         fail(f"--output-dir {args.output_dir!r}: {error.strerror}")
-    try:  # configs only: the resolution's factor, before the weights
+    try:  # configs only, before the weights
         vae = AutoencoderKL.load_config(args.model, subfolder="vae")
         dit = SD3Transformer2DModel.load_config(args.model, subfolder="transformer")
     except Exception as error:
@@ -342,15 +336,26 @@ def check_args(args) -> dict | None:
     if args.resolution % factor:
         fail(f"--resolution {args.resolution} is not a positive multiple of {factor} "
              "(VAE downsampling x patch size)")
+    with torch.device("meta"):  # the layers' names, not their weights
+        names = [f".{name}" for name, _ in SD3Transformer2DModel.from_config(dit).named_modules()]
+    for target in args.lora_targets:  # matched as peft does
+        if not any(name.endswith(f".{target}") for name in names):
+            fail(f"--lora-targets {target} names no layer of {args.model}")
     if args.track and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
         import wandb
         if not wandb.login(prompt=False):
             fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), "
                  "or WANDB_MODE=offline")
+    if args.push_to_hub:  # found now, not after training
+        try:
+            user = huggingface_hub.whoami()["name"]
+        except Exception as error:  # no token, offline, no answer
+            fail(f"--push-to-hub needs a Hub login (hf auth login): {type(error).__name__}")
+        args.hub_model_id = args.hub_model_id or f"{user}/{args.exp_name}"
     if not args.resume:
         return None
     script = os.path.basename(__file__)
-    if state.get("script") != script:  # e.g. a CRD run's, in GRPO
+    if state.get("script") != script:
         fail(f"--resume {args.resume!r} is not a checkpoint of {script}")
     for name in STATE_FLAGS:
         if state["args"][name] != getattr(args, name):
@@ -374,7 +379,6 @@ def load_state(save: str) -> dict | str:
     return torch.load(io.BytesIO(data), map_location="cpu")
 
 def load_prompts(path: str) -> tuple[list[str], list[dict]]:
-    """A prompt per line, or JSONL with a `prompt`: prompts and metadata."""
     if not os.path.isfile(path):
         fail(f"prompt file {path!r} does not exist (docs/usage.md: prompt sets)")
     with open(path, encoding="utf-8-sig") as file:  # a BOM is no part of a prompt
@@ -390,7 +394,7 @@ def load_prompts(path: str) -> tuple[list[str], list[dict]]:
         fail(f"every line of {path!r} must be a JSON object with a 'prompt' ({error!r})")
 
 def all_gather_cat(tensor: torch.Tensor, world: int) -> torch.Tensor:
-    """Concatenate an equally shaped tensor from every rank, in rank order."""
+    """Every rank's equally shaped tensor, concatenated in rank order."""
     if world == 1:
         return tensor
     gathered = [torch.empty_like(tensor) for _ in range(world)]
@@ -413,8 +417,7 @@ def predict_velocity(transformer, x, sigma, text: Text, negative: Text,
                      guidance_scale: float) -> torch.Tensor:
     """CFG's velocity u + g (c - u) at sigma (a float or (B,)), one forward."""
     cfg = guidance_scale != 1.0
-    timestep = 1000 * torch.as_tensor(sigma, device=x.device, dtype=torch.float32)
-    timestep = timestep.expand(x.shape[0])
+    timestep = 1000 * torch.as_tensor(sigma, device=x.device, dtype=torch.float32).expand(len(x))
     embeds, pooled = text
     if cfg:
         x = torch.cat([x, x])
@@ -443,16 +446,13 @@ def decode(vae, latents) -> torch.Tensor:
     latents = latents.float() / vae.config.scaling_factor + vae.config.shift_factor
     return (vae.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
 
-def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where,
-                   run_dir):
-    """All-reduce, unscale, clip, check, step: the grad norm before the clip."""
+def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where, run_dir):
     if world > 1:
         flat = torch.nn.utils.parameters_to_vector(p.grad for p in params)
         dist.all_reduce(flat)
-        grads = [p.grad for p in params]
-        torch.nn.utils.vector_to_parameters(flat / world, grads)
+        torch.nn.utils.vector_to_parameters(flat / world, [p.grad for p in params])
     scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)  # before the clip
     if not scaler.is_enabled():  # fp16's scaler skips non-finite steps itself
         check_finite(where, run_dir, loss=loss, gradient=grad_norm)
     scaler.step(optimizer)
@@ -462,16 +462,14 @@ def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where,
 
 def save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
                     optimizer, next_epoch, global_step, args):
-    """Written to a hidden directory, then renamed: `lora/`, `ema_lora/` (diffusers
-    LoRAs), state.pt to resume from, and its checksum, last."""
+    """lora/, ema_lora/ (diffusers LoRAs), state.pt, its checksum last; then renamed."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    config = transformer.peft_config["default"].to_dict()
     for name, copies in [("lora", []), ("ema_lora", ema_params)]:
         with swapped(lora_params, copies):  # [] swaps nothing in
             StableDiffusion3Pipeline.save_lora_weights(
                 os.path.join(tmp, name), get_peft_model_state_dict(transformer),
-                transformer_lora_adapter_metadata=config)
+                transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict())
     extra = {name: [p.cpu() for p in copies] for name, copies in snapshots.items()}
     state = io.BytesIO()  # Python writes it: a full disk is an OSError naming it
     torch.save({"lora": [p.detach().cpu() for p in lora_params],
@@ -493,13 +491,49 @@ def prune_checkpoints(run_dir: str, current: str, save_every: int, limit: int | 
     for save in set(saves) - kept:
         shutil.rmtree(save)
 
+def write_card(run_dir: str, args, images_per_epoch: int):
+    """The Hub's model card (README.md) and eval sheet in each evaluated checkpoint."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as file:
+        evals = [(row[key + "sheet"], row[key + "reward_mean"]) for row in map(json.loads, file)
+                 for key in ["eval/", "eval/final_"] if key + "sheet" in row]
+    evals = [(sheet, math.nan if x is None else x) for sheet, x in evals]  # null: NaN
+    name = os.path.basename(__file__)
+    about = " ".join(__doc__[: __doc__.index("Docs:")].split())
+    flags = ", ".join(f"`--{flag.replace('_', '-')} {value}`" for flag, value in vars(args).items())
+    for sheet, reward in evals:
+        epochs = int(sheet[5:10])  # eval_00060.png
+        save = os.path.join(run_dir, "checkpoints", f"epoch_{epochs:05d}")
+        if not os.path.isdir(save):  # the base model's, or pruned
+            continue
+        card = f"""---
+base_model: {args.model}
+library_name: diffusers
+license: other
+tags: [diffusers, lora, text-to-image, {name[:-3]}]
+---
+# {name}: a LoRA of {args.model} (its licence applies)
+{about}. Eval reward `{args.eval_reward or args.reward}` of `ema_lora/` (the EMA of
+`lora/`): {evals[0][1]:.4f} before, {reward:.4f} after {epochs} epochs
+({epochs * images_per_epoch:,} images); a row per test prompt:
+![eval sheet](eval_sheet.png)
+```python
+pipe = DiffusionPipeline.from_pretrained("{args.model}")
+pipe.load_lora_weights("{args.hub_model_id or save + '/ema_lora'}")
+```
+Flags: {flags}
+"""
+        for folder in [f"{save}/lora", f"{save}/ema_lora"]:
+            with open(f"{folder}/README.md", "w") as file:
+                file.write(card)
+            shutil.copy(os.path.join(run_dir, sheet), f"{folder}/eval_sheet.png")
+
 def last_checkpoint(run_dir: str) -> str:
     saves = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
     return saves[-1] if saves else "none saved yet"
 
 @contextmanager
 def swapped(params, copies):
-    """Temporarily swap `copies` (the EMA, a snapshot) into the live parameters."""
+    """Swap `copies` (the EMA, a snapshot) into the live parameters, and back."""
     for p, copy in zip(params, copies):
         p.data, copy.data = copy.data, p.data
     try:
@@ -510,7 +544,6 @@ def swapped(params, copies):
 
 @contextmanager
 def adapters_disabled(transformer):
-    """The base model: the same transformer, its LoRA switched off."""
     transformer.disable_adapters()
     try:
         yield
@@ -518,8 +551,7 @@ def adapters_disabled(transformer):
         transformer.enable_adapters()
 
 def prepare_run_dir(run_dir: str, start_epoch: int):
-    """Go on at start_epoch: drop crashed saves and the epochs it redoes (checkpoints,
-    metrics); metrics.jsonl is rewritten whole, minus a cut-off line."""
+    """Drop crashed saves, and the saves and metrics lines after start_epoch."""
     folder = os.path.join(run_dir, "checkpoints")
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
         if name[0] == "." or int(name[-5:]) > start_epoch:  # hidden: a crashed save
@@ -558,7 +590,6 @@ def clock(device) -> float:
     return time.perf_counter()
 
 def check_finite(where: str, run_dir: str, **values):
-    """Stop, naming the first non-finite value and the last checkpoint."""
     for name, value in values.items():
         if not torch.isfinite(torch.as_tensor(value)).all():
             fail(f"non-finite {name} at {where}; stopping. Last checkpoint: "
@@ -568,9 +599,7 @@ if __name__ == "__main__":
     # TRY NOT TO MODIFY: input checks and rewards, before the model loads
     args = tyro.cli(Args, description=__doc__.split("\n\n")[0])
     state = check_args(args)
-    train_prompts, train_meta = [], []  # --eval-only trains on none
-    if not args.eval_only:
-        train_prompts, train_meta = load_prompts(args.train_prompts)
+    train_prompts, train_meta = ([], []) if args.eval_only else load_prompts(args.train_prompts)
     test_prompts, test_meta = load_prompts(args.test_prompts)
     rank = int(os.environ.get("RANK", 0))  # torchrun's
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -578,9 +607,9 @@ if __name__ == "__main__":
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    if "RANK" in os.environ:  # set by torchrun
+    if "RANK" in os.environ:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    quiet = rank != 0 or not sys.stderr.isatty()  # bars on rank 0's terminal
+    quiet = rank != 0 or not sys.stderr.isatty()
     if quiet:  # the model-loading bars too
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
@@ -600,14 +629,13 @@ if __name__ == "__main__":
              f"into {world} GPUs x --batch-size {args.batch_size}")
     local_images = images_per_epoch // world  # sampled by this rank per epoch
     num_batches = local_images // args.batch_size
-    run_dir = None  # a new run's is made once the model has loaded
+    run_dir = None
     parent = os.path.dirname(os.path.abspath(args.resume or "."))
     if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
         run_dir = os.path.dirname(parent)  # a resume goes on in its run
 
-    # ALGO LOGIC: from images to optimizer steps. Defaults on 8 GPUs: 72 prompts x
-    # 24 images = 1728, 216 per GPU, sampled in 36 batches of 6, trained in 72 micro-
-    # batches (accum_steps) of 3 samples x K = 6 timesteps: 1 update/epoch.
+    # ALGO LOGIC: from images to optimizer steps. Defaults, 8 GPUs: 216 images per GPU
+    # in 36 rollout batches of 6, 72 micro-batches of 3 x K = 6 timesteps, 1 update.
     if local_images % args.train_batch_size:
         fail(f"{local_images} images per GPU per epoch do not split into "
              f"--train-batch-size {args.train_batch_size}")
@@ -628,11 +656,11 @@ if __name__ == "__main__":
     pipe = StableDiffusion3Pipeline.from_pretrained(
         args.model, dtype={"default": dtype, "vae": torch.float32}).to(device)
     transformer = pipe.transformer
-    transformer.requires_grad_(False)  # the LoRA alone trains
+    transformer.requires_grad_(False)
     torch.manual_seed(args.seed)  # the LoRA init, alike on all ranks
     transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
                                        init_lora_weights="gaussian",
-                                       target_modules=LORA_TARGETS))
+                                       target_modules=list(args.lora_targets)))
     lora_params = [p for p in transformer.parameters() if p.requires_grad]
     for p in lora_params:
         p.data = p.data.float()
@@ -652,18 +680,15 @@ if __name__ == "__main__":
     negative = encode(pipe, [""], device, args.max_sequence_length)  # CFG's, once
 
     def velocity(x, sigma, text: Text, guidance_scale=args.guidance_scale):
-        """The transformer's velocity at (x, sigma) for `text`, with CFG."""
         with autocast:
-            return predict_velocity(transformer, x, sigma, text, negative,
-                                    guidance_scale)
+            return predict_velocity(transformer, x, sigma, text, negative, guidance_scale)
 
     # ALGO LOGIC: the sigma grids, the anchor LoRA, the SA-Solver
     pipe.scheduler.set_timesteps(args.num_steps, device=device)
     sigmas = pipe.scheduler.sigmas.float()  # (T+1,) 1 to 0: rollouts, training
     pipe.scheduler.set_timesteps(args.eval_num_steps, device=device)
     eval_sigmas = pipe.scheduler.sigmas.float()
-    # The anchor: a trailing copy of the LoRA; anchor_beta's KL keeps it near.
-    anchor_params = [p.detach().clone() for p in lora_params]
+    anchor_params = [p.detach().clone() for p in lora_params]  # trails the LoRA
     snapshots = {"anchor": anchor_params}
     solver = SASolverScheduler(use_flow_sigmas=True, prediction_type="flow_prediction",
                                predictor_order=2, corrector_order=2)
@@ -672,11 +697,9 @@ if __name__ == "__main__":
     start_epoch = 0
     global_step = 0
     if state is not None:
-        for p, saved in zip(lora_params + ema_params, state["lora"] + state["ema"]):
-            p.data.copy_(saved)
-        for name, copies in snapshots.items():
-            for p, saved in zip(copies, state["extra"][name]):
-                p.data.copy_(saved)
+        saved = state["lora"] + state["ema"] + sum(state["extra"].values(), [])
+        for p, value in zip(lora_params + ema_params + sum(snapshots.values(), []), saved):
+            p.data.copy_(value)
         optimizer.load_state_dict(state["optimizer"])
         start_epoch = state["next_epoch"]
         global_step = state["global_step"]
@@ -693,9 +716,7 @@ if __name__ == "__main__":
         prepare_run_dir(run_dir, start_epoch)
     if args.track and rank == 0:
         import wandb
-        wandb.init(project=args.wandb_project, entity=args.wandb_entity,
-                   name=os.path.basename(run_dir), config=vars(args), save_code=True,
-                   dir=run_dir)
+        wandb.init(name=os.path.basename(run_dir), config=vars(args), save_code=True, dir=run_dir)
 
     def stop(reason: str, code: int = 1):
         """End at once, queued rewards dropped: the run is in its checkpoints."""
@@ -722,8 +743,7 @@ if __name__ == "__main__":
 
     @torch.no_grad()
     def run_eval(epoch: int, prefix: str = "eval/", saved: str | None = None) -> dict:
-        """Score ODE samples of the EMA (EMA 0: the LoRA) or of the LoRA folder `saved`,
-        loaded as users do: a sample per test prompt i and eval seed s, noise (s, i)."""
+        """Score ODE samples of the EMA or LoRA folder `saved`: test prompt i, seed s."""
         if saved:
             with warnings.catch_warnings(action="ignore"):
                 pipe.load_lora_weights(saved, adapter_name="saved")
@@ -731,7 +751,6 @@ if __name__ == "__main__":
         by_prompt = {}  # test prompt -> its items
         for item in items:
             by_prompt.setdefault(test_prompts[item[0]], []).append(item)
-        # The contact sheet: the first 4 samples of the first 4 test prompts
         shown = [item for row in list(by_prompt.values())[:4] for item in row[:4]]
         transformer.eval()  # as in sampling: compiled graphs depend on the mode
         results = {}  # item -> its scores, 32x32 thumbnail, image if shown
@@ -747,10 +766,9 @@ if __name__ == "__main__":
             with swapped(lora_params, ema_params):
                 final = ode_sample(partial(velocity, text=text), noise, eval_sigmas)
                 moved = velocity(noise, eval_sigmas[0], text)
-            with adapters_disabled(transformer):  # for the drift
+            with adapters_disabled(transformer):
                 base = velocity(noise, eval_sigmas[0], text)
-            drift = (moved - base).flatten(1).norm(dim=1)
-            drift = drift / base.flatten(1).norm(dim=1)  # relative, per sample
+            drift = (moved - base).flatten(1).norm(dim=1) / base.flatten(1).norm(dim=1)
             images = decode(pipe.vae, final)
             meta = [test_meta[i] for i, _ in batch]
             try:
@@ -758,8 +776,7 @@ if __name__ == "__main__":
             except rewards.RewardError as error:
                 stop(f"error: {error} in the eval after {epoch} epochs")
             columns = {"reward_mean": batch_scores, "lora_drift": drift, **info}
-            pixels = images.permute(0, 2, 3, 1).cpu().numpy() * 255
-            pixels = pixels.round().astype(np.uint8)
+            pixels = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
             small = torch.nn.functional.interpolate(images, size=32, mode="area")
             for j, item in enumerate(batch):
                 row = {name: float(values[j]) for name, values in columns.items()}
@@ -779,7 +796,7 @@ if __name__ == "__main__":
                      for group in groups if len(group) > 1]
         if distances:  # RMS pixel distance of two samples of one prompt
             means["diversity"] = float(torch.stack(distances).mean())
-        if rank == 0:  # a row per test prompt, labelled with its mean reward
+        if rank == 0:  # a row per prompt, labelled with its mean reward
             labelled = []
             for text, row in by_prompt.items():
                 reward = np.mean([results[item][0]["reward_mean"] for item in row])
@@ -802,40 +819,33 @@ if __name__ == "__main__":
         epoch_start = clock(device)
         metrics = run_eval(epoch) if epoch % args.eval_every == 0 else {}
         text_start = clock(device)
-        # The same prompts on every rank: distinct, if the file has enough.
-        prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
+        prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)  # alike on all ranks
         num_prompts = len(train_prompts)
         if num_prompts >= args.prompts_per_epoch:
-            chosen = torch.randperm(num_prompts, generator=prompt_gen)
-            chosen = chosen[: args.prompts_per_epoch]
+            chosen = torch.randperm(num_prompts, generator=prompt_gen)[: args.prompts_per_epoch]
         else:
-            chosen = torch.randint(num_prompts, (args.prompts_per_epoch,),
-                                   generator=prompt_gen)
+            chosen = torch.randint(num_prompts, (args.prompts_per_epoch,), generator=prompt_gen)
         epoch_prompts = [train_prompts[i] for i in chosen]  # group g's is row g
         epoch_meta = [train_meta[i] for i in chosen]
         epoch_text = encode(pipe, epoch_prompts, device, args.max_sequence_length)
         sampling_start = clock(device)
 
-        # ALGO LOGIC: sampling. The epoch's images, shuffled alike on every rank: each
-        # rank samples its share, and a group (a prompt's images) spans ranks. AWM
-        # trains on the clean samples alone: any solver will do.
-        group_ids = torch.arange(args.prompts_per_epoch)
-        group_ids = group_ids.repeat_interleave(args.group_size)
+        # ALGO LOGIC: sampling. The images, shuffled alike on every rank: each samples its
+        # share, a group spans ranks. AWM trains on clean samples alone: any solver will do.
+        group_ids = torch.arange(args.prompts_per_epoch).repeat_interleave(args.group_size)
         group_ids = group_ids[torch.randperm(images_per_epoch, generator=prompt_gen)]
         my_groups = group_ids.view(world, num_batches, args.batch_size)[rank]
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
         transformer.eval()
-        batch_samples = []  # each rollout batch's clean latents (B, C, h, w)
+        batch_samples = []  # clean latents (B, C, h, w)
         futures = []  # their rewards
-        for groups in tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet,
-                           leave=False):
+        for groups in tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet, leave=False):
             text = Text(epoch_text.embeds[groups], epoch_text.pooled[groups])
             noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen,
                                 device=device)
             if args.sampler == "sa_solver":
-                sample = sa_solver_sample(partial(velocity, text=text), solver, noise,
-                                          sigmas, args.noise_level, args.tau_window,
-                                          noise_gen)
+                sample = sa_solver_sample(partial(velocity, text=text), solver, noise, sigmas,
+                                          args.noise_level, args.tau_window, noise_gen)
             else:
                 kind = "flow" if args.sampler == "flow_sde" else "ode"
                 sample = sde_sample(partial(velocity, text=text), noise, sigmas, kind,
@@ -846,37 +856,30 @@ if __name__ == "__main__":
             futures.append(executor.submit(reward_fn, images, prompts, meta))
             batch_samples.append(sample)
         samples = torch.cat(batch_samples)  # (N, C, h, w): this rank's
-        my_text = Text(epoch_text.embeds[my_groups.flatten()],
-                       epoch_text.pooled[my_groups.flatten()])  # their prompts'
 
-        # TRY NOT TO MODIFY: all ranks' rewards, in rank order, and the advantages
+        # TRY NOT TO MODIFY: all ranks' rewards and the advantages
         reward_start = clock(device)
         try:
             scores, infos = zip(*[future.result() for future in futures])
         except rewards.RewardError as error:
             stop(f"error: {error} at epoch {epoch}")
         info = {name: torch.cat([part[name] for part in infos]) for name in infos[0]}
-        all_rewards = torch.cat(scores).float().to(device)
-        all_rewards = all_gather_cat(all_rewards, world).cpu()  # (P*G,)
+        all_rewards = all_gather_cat(torch.cat(scores).float().to(device), world).cpu()  # (P*G,)
         all_components = {name: all_gather_cat(info[name].to(device), world).cpu()
                           for name in reward_fn.weights}
         extras = {f"reward/{name}": values.mean().item()  # e.g. pickscore_raw
                   for name, values in info.items() if name not in reward_fn.weights}
         extras = rank_mean(extras, world, device)
         if reward_fn.group_transform is not None:  # e.g. ranks within each group
-            all_rewards, all_components = reward_fn.group_transform(all_components,
-                                                                    group_ids)
+            all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
         advantages = compute_advantages(all_rewards, all_components, reward_fn.weights,
-                                        group_ids, args.advantage_aggregation,
-                                        args.per_group_std)
-        check_finite(f"epoch {epoch}", run_dir, reward=all_rewards,
-                     advantage=advantages)
+                                        group_ids, args.advantage_aggregation, args.per_group_std)
+        check_finite(f"epoch {epoch}", run_dir, reward=all_rewards, advantage=advantages)
         group_std = torch.stack([all_rewards[group_ids == group].std(unbiased=False)
                                  for group in range(args.prompts_per_epoch)])
         training_start = clock(device)
 
-        # ALGO LOGIC: training. Every micro-batch re-noises its samples at K stratified
-        # timesteps, with fresh noise, and adds the gradient of awm_loss.
+        # ALGO LOGIC: training: awm_loss on the samples re-noised at K stratified timesteps
         my_advantages = advantages.to(device).view(world, local_images)[rank]
         transformer.train()
         train_gen = seeded_generator(device, args.seed, epoch, rank, 1)  # sigmas, noise
@@ -893,17 +896,17 @@ if __name__ == "__main__":
             noise = torch.randn(x0.shape, generator=train_gen, device=device)
             t = sigma.view(-1, 1, 1, 1)
             x_t = (1 - t) * x0 + t * noise
-            text = Text(my_text.embeds[rows], my_text.pooled[rows])
-            v_base = None  # the base model's, for the KL
+            groups = my_groups.flatten()[rows]
+            text = Text(epoch_text.embeds[groups], epoch_text.pooled[groups])
+            v_base = None
             if args.kl_beta > 0:
                 with torch.no_grad(), adapters_disabled(transformer):
                     v_base = velocity(x_t, sigma, text)
-            v_anchor = None  # the anchor's
+            v_anchor = None
             if args.anchor_beta > 0:
                 with torch.no_grad(), swapped(lora_params, anchor_params):
                     v_anchor = velocity(x_t, sigma, text)
-            v = velocity(x_t, sigma, text)  # (K*B, C, h, w)
-            # ghuber weighting, power 0.25: upstream's
+            v = velocity(x_t, sigma, text)
             log_prob = awm_log_prob(v, x0, noise, sigma)
             loss, step_stats = awm_loss(
                 log_prob=log_prob, advantages=my_advantages[rows],
@@ -911,18 +914,16 @@ if __name__ == "__main__":
                 adv_clip=args.adv_clip, kl_beta=args.kl_beta,
                 anchor_beta=args.anchor_beta, accum_steps=accum_steps)
             scaler.scale(loss).backward()
+            step_stats["fm_loss"] = ((v.detach() - (noise - x0)) ** 2).mean().item()
             for name, value in step_stats.items():
                 stats[name].append(value)
-            fm_loss = ((v.detach() - (noise - x0)) ** 2).mean()  # unweighted, logged
-            stats["fm_loss"].append(fm_loss.item())
         grad_norm = optimizer_step(
             optimizer, scaler, lora_params, args.max_grad_norm, world, loss,
             f"epoch {epoch}, step {global_step}", run_dir)
         global_step += 1
-        # The EMA: upstream's, with its warm-up. The anchor: upstream's 'linear'
-        # decay, up by 0.001 a step to at most 0.3 (from step 300), so the anchor
-        # stays near the weights each update starts from: anchor_kl is a trust
-        # region (upstream: "mimic TRPO").
+        # The EMA: upstream's, with its warm-up. The anchor's decay: upstream's
+        # 'linear', up 0.001 a step to 0.3, so it stays near the weights each
+        # update starts from: anchor_kl is a trust region (upstream: "mimic TRPO").
         decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))
         anchor_decay = min(0.3, 0.001 * global_step)
         for ema, anchor, p in zip(ema_params, anchor_params, lora_params):
@@ -935,17 +936,14 @@ if __name__ == "__main__":
         metrics.update(rank_mean(losses, world, device))
         metrics["charts/anchor_decay"] = anchor_decay
         metrics["charts/x0_norm"] = (samples**2).mean().item()  # rank 0's samples
-        summary = (f"policy {metrics['losses/policy_loss']:.3e} "
-                   f"kl {metrics['losses/kl']:.3e} "
+        summary = (f"policy {metrics['losses/policy_loss']:.3e} kl {metrics['losses/kl']:.3e} "
                    f"anchor {metrics['losses/anchor_kl']:.3e} "
                    f"| fm {metrics['losses/fm_loss']:.3e}")
 
         # TRY NOT TO MODIFY: shared metrics, the line, checkpoint, final eval
         epoch_end = clock(device)
         epoch_seconds = epoch_end - epoch_start
-        compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        # Peak memory: the process's (KiB on Linux) or the GPU's.
-        max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+        max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
         if device.type == "cuda":
             max_mem_gb = torch.cuda.max_memory_allocated(device) / 1e9
         metrics.update({
@@ -953,8 +951,7 @@ if __name__ == "__main__":
             "reward/mean": all_rewards.mean().item(),
             "reward/std": all_rewards.std(unbiased=False).item(),
             "reward/zero_std_group_frac": (group_std == 0).float().mean().item(),
-            **{f"reward/{name}": part.mean().item()
-               for name, part in all_components.items()},
+            **{f"reward/{name}": part.mean().item() for name, part in all_components.items()},
             **extras,
             "charts/global_step": global_step,
             "charts/learning_rate": args.learning_rate,
@@ -965,13 +962,12 @@ if __name__ == "__main__":
             "perf/sampling_seconds": reward_start - sampling_start,
             "perf/reward_seconds": training_start - reward_start,
             "perf/training_seconds": epoch_end - training_start,
-            "perf/compiled_graphs": compiled_graphs,
+            "perf/compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
             "perf/max_mem_gb": max_mem_gb})
         if rank == 0:
             line = (f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± "
                     f"{metrics['reward/std']:.4f} | {summary} | "
-                    f"{metrics['perf/images_per_sec']:.2f} img/s | "
-                    f"{epoch_seconds:.0f}s")
+                    f"{metrics['perf/images_per_sec']:.2f} img/s | {epoch_seconds:.0f}s")
             if "eval/reward_mean" in metrics:
                 line += (f" | eval {metrics['eval/reward_mean']:.4f} ± "
                          f"{metrics['eval/reward_stderr']:.4f}")
@@ -984,13 +980,19 @@ if __name__ == "__main__":
             if rank == 0:
                 save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
                                 optimizer, epoch + 1, global_step, args)
-                prune_checkpoints(run_dir, path, args.save_every,
-                                  args.checkpoints_total_limit)
+                prune_checkpoints(run_dir, path, args.save_every, args.checkpoints_total_limit)
             if world > 1:
                 dist.barrier()
             if last:  # the saved file's score, not the memory's
                 metrics.update(run_eval(epoch + 1, "eval/final_", f"{path}/ema_lora"))
                 log(metrics, epoch)
+            if rank == 0:
+                write_card(run_dir, args, images_per_epoch)
+            if rank == 0 and last and args.push_to_hub:  # the final EMA LoRA alone
+                hub = huggingface_hub.HfApi()
+                hub.create_repo(args.hub_model_id, private=args.hub_private, exist_ok=True)
+                hub.upload_folder(repo_id=args.hub_model_id, folder_path=f"{path}/ema_lora")
+                print(f"pushed to https://huggingface.co/{args.hub_model_id}")
         except (OSError, SafetensorError) as error:
             stop(f"error: {error} (saving epoch {epoch + 1})")
     executor.shutdown()

@@ -69,6 +69,11 @@ from sde import compute_advantages, sde_step, shift_sigmas
 #   grad_norm    the gradient norm of the last optimizer step
 #   summary      the algorithm's part of the epoch's line on stdout
 
+# The joint-attention projections of every MMDiT block, as flow_grpo, NFT and AWM
+LORA_TARGETS = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj",
+                "attn.to_add_out", "attn.to_k", "attn.to_out.0", "attn.to_q",
+                "attn.to_v")
+
 @dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -76,11 +81,7 @@ class Args:
     seed: int = 42
     """seed of the LoRA init, prompt draws and noise"""
     track: bool = False
-    """log to Weights & Biases too"""
-    wandb_project: str = "flowrl"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (None: your default one)"""
+    """also log to wandb (WANDB_PROJECT, WANDB_ENTITY: where)"""
     output_dir: str = "runs"
     """runs go to OUTPUT_DIR/RUN_NAME"""
     resume: str | None = None
@@ -88,17 +89,19 @@ class Args:
     eval_only: bool = False
     """evaluate --resume's EMA (its flags but those given), or the base"""
     model: str = "stabilityai/stable-diffusion-3.5-medium"
-    """hub id or local path of a diffusers StableDiffusion3Pipeline"""
+    """hub id or path of a diffusers StableDiffusion3Pipeline"""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
-    """dtype of the frozen weights (LoRA and VAE: fp32), with autocast"""
+    """dtype of the frozen weights (LoRA, VAE: fp32), with autocast"""
     gradient_checkpointing: bool = False
     """recompute activations in backward (less memory, ~30% slower)"""
     compile: bool = torch.cuda.is_available()
     """torch.compile each transformer block (~2x faster; on with CUDA)"""
     lora_rank: Annotated[int, ">= 1"] = 32
-    """LoRA rank on the 8 joint-attention projections of every block"""
+    """LoRA rank"""
     lora_alpha: Annotated[int, "> 0"] = 64
     """LoRA alpha (scale = alpha / rank)"""
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    """layers to adapt: names or dotted ends (peft's target_modules)"""
     train_prompts: str = "prompts/train.txt"
     """a prompt per line, or JSONL: `prompt` and fields for the reward"""
     test_prompts: str = "prompts/test.txt"
@@ -106,7 +109,7 @@ class Args:
     reward: str = "ocr"
     """rewards.py name, weighted sum `ocr=1,pickscore=0.5`, `file.py:fn`"""
     eval_reward: str | None = None
-    """reward of eval (None: the training reward)"""
+    """eval's reward (None: --reward)"""
     advantage_aggregation: Literal["sum", "gdpo"] = "sum"
     """normalise the rewards' weighted sum, or each, then sum (GDPO)"""
     per_group_std: bool = False
@@ -131,6 +134,12 @@ class Args:
     """eval noise: a sample per test prompt and seed (tune on others)"""
     checkpoints_total_limit: Annotated[int | None, ">= 1"] = None
     """keep the newest N of the --save-every grid (None: all)"""
+    push_to_hub: bool = False
+    """upload the final ema_lora/ and its card to the Hub"""
+    hub_model_id: str | None = None
+    """its Hub repository (None: YOUR_HUB_NAME/EXP_NAME)"""
+    hub_private: bool = False
+    """make that repository private"""
     # Algorithm-specific arguments (defaults: the paper's OCR run, Table 3)
     max_sequence_length: Annotated[int, ">= 1"] = 256
     """T5 tokens per prompt"""
@@ -170,23 +179,17 @@ class Args:
     save_every: Annotated[int, ">= 1"] = 20
     """checkpoint every N epochs (and after the last)"""
 
-# TRY NOT TO MODIFY: the LoRA's layers, what --resume must match, ranges
-# The joint-attention projections of every MMDiT block, as flow_grpo, NFT and AWM
-LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj",
-                "attn.to_add_out", "attn.to_k", "attn.to_out.0", "attn.to_q",
-                "attn.to_v"]
-STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other values
+# TRY NOT TO MODIFY: what --resume must match, ranges
+STATE_FLAGS = ["model", "lora_rank", "lora_alpha", "lora_targets"]
 RANGES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: x >= 2,
           "> 0": lambda x: x > 0, "in [0, 1)": lambda x: 0 <= x < 1,
           "in (0, 1]": lambda x: 0 < x <= 1, "in [0, 1]": lambda x: 0 <= x <= 1}
 
 # ALGO LOGIC: its schedules and the loss
-# crd_beta > 0: the policy loss is divided by it (a negative one would push
-# the residuals up). A decay schedule's S, v0, k and vmax are all >= 0.
+# crd_beta > 0: crd_loss divides by it (a negative one pushes residuals up).
 
 def snapshot_decay(step: int, schedule: tuple) -> float:
-    """The decay after `step` optimizer steps of schedule (S, v0, k, vmax),
-    upstream's "S-v0-k-vmax": v0 before step S, then + k a step, at most vmax."""
+    """Upstream's "S-v0-k-vmax" decay: v0 before optimizer step S, then + k a step, <= vmax."""
     start, v0, slope, vmax = schedule
     if step < start:
         return v0
@@ -194,7 +197,7 @@ def snapshot_decay(step: int, schedule: tuple) -> float:
 
 def blend_snapshot(snapshot, params, decay: float):
     """snapshot <- decay snapshot + (1 - decay) params, in place."""
-    decay = min(max(decay, 0.0), 1.0)  # exactly a copy at 0, frozen at 1
+    decay = min(max(decay, 0.0), 1.0)  # a copy at 0, frozen at 1
     for copy, p in zip(snapshot, params):
         copy.mul_(decay).add_(p.detach(), alpha=1 - decay)
 
@@ -211,34 +214,29 @@ def train_timesteps(sigmas, count: int, generator) -> torch.Tensor:
     return sigmas[(strata * len(sigmas) / count).floor().long()]
 
 def crd_implicit_reward(v, v_old, target):
-    """(B,) -mean(e^2 / w - e_old^2 / w_old) ~ log p(x0) - log p_old(x0): e,
-    e_old the flow-matching errors of the LoRA's and the old snapshot's
-    velocities; w, an error's detached mean |e| per image, keeps large errors
-    from dominating."""
-    err = (v.double() - target.double()).flatten(1)  # (B, D)
-    err_old = (v_old.detach().double() - target.double()).flatten(1)
-    scale = err.detach().abs().mean(1, True).clamp_min(1e-5)
-    scale_old = err_old.detach().abs().mean(1, True).clamp_min(1e-5)
-    return -(err**2 / scale - err_old**2 / scale_old).mean(1).float()
+    """(B,) -mean(e^2 / w - e_old^2 / w_old) ~ log p(x0) - log p_old(x0), e, e_old the LoRA's
+    and old snapshot's flow-matching errors, w their detached mean |e| per image (large errors
+    do not dominate)."""
+    def scaled_sq_err(velocity):  # e^2 / w
+        err = (velocity.double() - target.double()).flatten(1)
+        return err**2 / err.detach().abs().mean(1, True).clamp_min(1e-5)
+    return -(scaled_sq_err(v) - scaled_sq_err(v_old.detach())).mean(1).float()
 
 def crd_loss(*, implicit_reward, all_implicit_rewards, advantages, group_ids,
              rank, world, v, v_teacher, crd_beta, adv_clip, kl_beta, accum_steps):
-    """A micro-step's loss: (loss to backward, {statistic: float}).
+    """A micro-step's (loss to backward, {statistic: float}).
 
-    (N,), all ranks' micro-batches s in rank order: all_implicit_rewards r
-    (detached), advantages A, group_ids. implicit_reward: (B,) this rank's r,
-    with its gradient. v, v_teacher: (B, ...) the LoRA's and the CFG teacher's
-    velocities (None: no KL).
-    - a = clip(A, +-adv_clip) / (2 adv_clip) + 0.5 maps A to [0, 1];
-    - residuals crd_beta (r - r_mean) - (a - a_mean) per prompt (equal ids),
-      r_mean detached: the optimum's reward beta log(p / p_ref) + beta log Z(c)
-      less its mean over a prompt c loses the unknown log Z(c);
-    - their mean square x adv_clip / crd_beta: at r = 0 (LoRA == old), r_i's
-      gradient is -(clip(A_i) - its prompt's mean) / N, the advantage;
-    - x world: a rank backpropagates only its B of the N, and optimizer_step
-      averages the ranks: the gradient over all N;
-    - + kl_beta x the KL (B,) to the teacher, weighted by floor + a (1 - floor),
-      floor = 1e-4 / kl_beta: good images stay near it; the sum / accum_steps.
+    all_implicit_rewards r (detached), advantages A, group_ids: (N,), all ranks' micro-batches
+    in rank order; implicit_reward: (B,) this rank's r, with a gradient; v, v_teacher: the
+    LoRA's and CFG teacher's velocities (None: no KL).
+    - a = clip(A, +-adv_clip) / (2 adv_clip) + 0.5, in [0, 1];
+    - residuals crd_beta (r - r_mean) - (a - a_mean) per prompt, r_mean detached: the
+      optimum's reward beta log(p / p_ref) + beta log Z(c) less its prompt's mean loses log Z(c);
+    - their mean square x adv_clip / crd_beta: at r = 0 (LoRA == old), r_i's gradient is
+      -(clip(A_i) - its prompt's mean) / N, the advantage;
+    - x world: a rank backpropagates its B of the N; optimizer_step averages the ranks;
+    - + kl_beta x the KL (B,) to the teacher, weighted by floor + a (1 - floor), floor =
+      1e-4 / kl_beta: good images stay near it; the sum / accum_steps.
     """
     targets = advantages.clamp(-adv_clip, adv_clip) / (2 * adv_clip) + 0.5
     batch = len(implicit_reward)
@@ -252,7 +250,7 @@ def crd_loss(*, implicit_reward, all_implicit_rewards, advantages, group_ids,
         residuals = crd_beta * r_centered - (a_group - a_group.mean())
         policy_loss = policy_loss + (residuals**2).sum()
     policy_loss = policy_loss / len(r_theta) * adv_clip / crd_beta
-    kl_loss = torch.zeros((), device=implicit_reward.device)
+    kl_loss = policy_loss.new_zeros(())
     kl = None
     if v_teacher is not None:
         kl = ((v - v_teacher) ** 2).mean(dim=tuple(range(1, v.dim())))  # (B,)
@@ -266,7 +264,7 @@ def crd_loss(*, implicit_reward, all_implicit_rewards, advantages, group_ids,
     loss = (world * policy_loss + kl_loss) / accum_steps
     return loss, stats
 
-# TRY NOT TO MODIFY: helpers shared verbatim by the SD3.5 scripts
+# TRY NOT TO MODIFY: the shared helpers
 class Text(NamedTuple):
     """Encoded prompts: T5 + CLIP tokens (B, L, 4096), pooled CLIP (B, 2048)."""
     embeds: torch.Tensor
@@ -281,7 +279,6 @@ def say(message: str):
         print(message, flush=True)
 
 def check_ranges(args):
-    """Every number flag is finite and >= 0, or in its annotated range."""
     for field in fields(args):
         value = getattr(args, field.name)
         allowed = getattr(field.type, "__metadata__", [">= 0"])[0]
@@ -311,11 +308,11 @@ def check_args(args) -> dict | None:
             fail(f"--resume {args.resume!r}: {state}")
     if args.resume:
         say(f"resuming from {args.resume}")
-    if args.resume and args.eval_only:  # the checkpoint's flags, but those given
+    if args.resume and args.eval_only:
         given = {word[2:].split("=")[0].removeprefix("no-").replace("-", "_")
                  for word in sys.argv[1:] if word.startswith("--")}
         for name, value in state["args"].items():
-            if name not in given | {"resume", "eval_only"}:
+            if name not in given | {"resume", "eval_only", "push_to_hub"}:
                 setattr(args, name, value)
     check_ranges(args)
     if args.mixed_precision == "fp16" and not torch.cuda.is_available():
@@ -325,7 +322,7 @@ def check_args(args) -> dict | None:
         tempfile.TemporaryFile(dir=args.output_dir).close()
     except OSError as error:
         fail(f"--output-dir {args.output_dir!r}: {error.strerror}")
-    try:  # configs only: the resolution's factor, before the weights
+    try:  # configs only, before the weights
         vae = AutoencoderKL.load_config(args.model, subfolder="vae")
         dit = SD3Transformer2DModel.load_config(args.model, subfolder="transformer")
     except Exception as error:
@@ -335,15 +332,26 @@ def check_args(args) -> dict | None:
     if args.resolution % factor:
         fail(f"--resolution {args.resolution} is not a positive multiple of {factor} "
              "(VAE downsampling x patch size)")
+    with torch.device("meta"):  # the layers' names, not their weights
+        names = [f".{name}" for name, _ in SD3Transformer2DModel.from_config(dit).named_modules()]
+    for target in args.lora_targets:  # matched as peft does
+        if not any(name.endswith(f".{target}") for name in names):
+            fail(f"--lora-targets {target} names no layer of {args.model}")
     if args.track and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
         import wandb
         if not wandb.login(prompt=False):
             fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), "
                  "or WANDB_MODE=offline")
+    if args.push_to_hub:  # found now, not after training
+        try:
+            user = huggingface_hub.whoami()["name"]
+        except Exception as error:  # no token, offline, no answer
+            fail(f"--push-to-hub needs a Hub login (hf auth login): {type(error).__name__}")
+        args.hub_model_id = args.hub_model_id or f"{user}/{args.exp_name}"
     if not args.resume:
         return None
     script = os.path.basename(__file__)
-    if state.get("script") != script:  # e.g. a CRD run's, in GRPO
+    if state.get("script") != script:
         fail(f"--resume {args.resume!r} is not a checkpoint of {script}")
     for name in STATE_FLAGS:
         if state["args"][name] != getattr(args, name):
@@ -367,7 +375,6 @@ def load_state(save: str) -> dict | str:
     return torch.load(io.BytesIO(data), map_location="cpu")
 
 def load_prompts(path: str) -> tuple[list[str], list[dict]]:
-    """A prompt per line, or JSONL with a `prompt`: prompts and metadata."""
     if not os.path.isfile(path):
         fail(f"prompt file {path!r} does not exist (docs/usage.md: prompt sets)")
     with open(path, encoding="utf-8-sig") as file:  # a BOM is no part of a prompt
@@ -383,7 +390,7 @@ def load_prompts(path: str) -> tuple[list[str], list[dict]]:
         fail(f"every line of {path!r} must be a JSON object with a 'prompt' ({error!r})")
 
 def all_gather_cat(tensor: torch.Tensor, world: int) -> torch.Tensor:
-    """Concatenate an equally shaped tensor from every rank, in rank order."""
+    """Every rank's equally shaped tensor, concatenated in rank order."""
     if world == 1:
         return tensor
     gathered = [torch.empty_like(tensor) for _ in range(world)]
@@ -406,8 +413,7 @@ def predict_velocity(transformer, x, sigma, text: Text, negative: Text,
                      guidance_scale: float) -> torch.Tensor:
     """CFG's velocity u + g (c - u) at sigma (a float or (B,)), one forward."""
     cfg = guidance_scale != 1.0
-    timestep = 1000 * torch.as_tensor(sigma, device=x.device, dtype=torch.float32)
-    timestep = timestep.expand(x.shape[0])
+    timestep = 1000 * torch.as_tensor(sigma, device=x.device, dtype=torch.float32).expand(len(x))
     embeds, pooled = text
     if cfg:
         x = torch.cat([x, x])
@@ -436,16 +442,13 @@ def decode(vae, latents) -> torch.Tensor:
     latents = latents.float() / vae.config.scaling_factor + vae.config.shift_factor
     return (vae.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
 
-def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where,
-                   run_dir):
-    """All-reduce, unscale, clip, check, step: the grad norm before the clip."""
+def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where, run_dir):
     if world > 1:
         flat = torch.nn.utils.parameters_to_vector(p.grad for p in params)
         dist.all_reduce(flat)
-        grads = [p.grad for p in params]
-        torch.nn.utils.vector_to_parameters(flat / world, grads)
+        torch.nn.utils.vector_to_parameters(flat / world, [p.grad for p in params])
     scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)  # before the clip
     if not scaler.is_enabled():  # fp16's scaler skips non-finite steps itself
         check_finite(where, run_dir, loss=loss, gradient=grad_norm)
     scaler.step(optimizer)
@@ -455,16 +458,14 @@ def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where,
 
 def save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
                     optimizer, next_epoch, global_step, args):
-    """Written to a hidden directory, then renamed: `lora/`, `ema_lora/` (diffusers
-    LoRAs), state.pt to resume from, and its checksum, last."""
+    """lora/, ema_lora/ (diffusers LoRAs), state.pt, its checksum last; then renamed."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    config = transformer.peft_config["default"].to_dict()
     for name, copies in [("lora", []), ("ema_lora", ema_params)]:
         with swapped(lora_params, copies):  # [] swaps nothing in
             StableDiffusion3Pipeline.save_lora_weights(
                 os.path.join(tmp, name), get_peft_model_state_dict(transformer),
-                transformer_lora_adapter_metadata=config)
+                transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict())
     extra = {name: [p.cpu() for p in copies] for name, copies in snapshots.items()}
     state = io.BytesIO()  # Python writes it: a full disk is an OSError naming it
     torch.save({"lora": [p.detach().cpu() for p in lora_params],
@@ -486,13 +487,49 @@ def prune_checkpoints(run_dir: str, current: str, save_every: int, limit: int | 
     for save in set(saves) - kept:
         shutil.rmtree(save)
 
+def write_card(run_dir: str, args, images_per_epoch: int):
+    """The Hub's model card (README.md) and eval sheet in each evaluated checkpoint."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as file:
+        evals = [(row[key + "sheet"], row[key + "reward_mean"]) for row in map(json.loads, file)
+                 for key in ["eval/", "eval/final_"] if key + "sheet" in row]
+    evals = [(sheet, math.nan if x is None else x) for sheet, x in evals]  # null: NaN
+    name = os.path.basename(__file__)
+    about = " ".join(__doc__[: __doc__.index("Docs:")].split())
+    flags = ", ".join(f"`--{flag.replace('_', '-')} {value}`" for flag, value in vars(args).items())
+    for sheet, reward in evals:
+        epochs = int(sheet[5:10])  # eval_00060.png
+        save = os.path.join(run_dir, "checkpoints", f"epoch_{epochs:05d}")
+        if not os.path.isdir(save):  # the base model's, or pruned
+            continue
+        card = f"""---
+base_model: {args.model}
+library_name: diffusers
+license: other
+tags: [diffusers, lora, text-to-image, {name[:-3]}]
+---
+# {name}: a LoRA of {args.model} (its licence applies)
+{about}. Eval reward `{args.eval_reward or args.reward}` of `ema_lora/` (the EMA of
+`lora/`): {evals[0][1]:.4f} before, {reward:.4f} after {epochs} epochs
+({epochs * images_per_epoch:,} images); a row per test prompt:
+![eval sheet](eval_sheet.png)
+```python
+pipe = DiffusionPipeline.from_pretrained("{args.model}")
+pipe.load_lora_weights("{args.hub_model_id or save + '/ema_lora'}")
+```
+Flags: {flags}
+"""
+        for folder in [f"{save}/lora", f"{save}/ema_lora"]:
+            with open(f"{folder}/README.md", "w") as file:
+                file.write(card)
+            shutil.copy(os.path.join(run_dir, sheet), f"{folder}/eval_sheet.png")
+
 def last_checkpoint(run_dir: str) -> str:
     saves = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
     return saves[-1] if saves else "none saved yet"
 
 @contextmanager
 def swapped(params, copies):
-    """Temporarily swap `copies` (the EMA, a snapshot) into the live parameters."""
+    """Swap `copies` (the EMA, a snapshot) into the live parameters, and back."""
     for p, copy in zip(params, copies):
         p.data, copy.data = copy.data, p.data
     try:
@@ -503,7 +540,6 @@ def swapped(params, copies):
 
 @contextmanager
 def adapters_disabled(transformer):
-    """The base model: the same transformer, its LoRA switched off."""
     transformer.disable_adapters()
     try:
         yield
@@ -511,8 +547,7 @@ def adapters_disabled(transformer):
         transformer.enable_adapters()
 
 def prepare_run_dir(run_dir: str, start_epoch: int):
-    """Go on at start_epoch: drop crashed saves and the epochs it redoes (checkpoints,
-    metrics); metrics.jsonl is rewritten whole, minus a cut-off line."""
+    """Drop crashed saves, and the saves and metrics lines after start_epoch."""
     folder = os.path.join(run_dir, "checkpoints")
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
         if name[0] == "." or int(name[-5:]) > start_epoch:  # hidden: a crashed save
@@ -551,7 +586,6 @@ def clock(device) -> float:
     return time.perf_counter()
 
 def check_finite(where: str, run_dir: str, **values):
-    """Stop, naming the first non-finite value and the last checkpoint."""
     for name, value in values.items():
         if not torch.isfinite(torch.as_tensor(value)).all():
             fail(f"non-finite {name} at {where}; stopping. Last checkpoint: "
@@ -561,9 +595,7 @@ if __name__ == "__main__":
     # TRY NOT TO MODIFY: input checks and rewards, before the model loads
     args = tyro.cli(Args, description=__doc__.split("\n\n")[0])
     state = check_args(args)
-    train_prompts, train_meta = [], []  # --eval-only trains on none
-    if not args.eval_only:
-        train_prompts, train_meta = load_prompts(args.train_prompts)
+    train_prompts, train_meta = ([], []) if args.eval_only else load_prompts(args.train_prompts)
     test_prompts, test_meta = load_prompts(args.test_prompts)
     rank = int(os.environ.get("RANK", 0))  # torchrun's
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -571,9 +603,9 @@ if __name__ == "__main__":
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    if "RANK" in os.environ:  # set by torchrun
+    if "RANK" in os.environ:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    quiet = rank != 0 or not sys.stderr.isatty()  # bars on rank 0's terminal
+    quiet = rank != 0 or not sys.stderr.isatty()
     if quiet:  # the model-loading bars too
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
@@ -593,18 +625,15 @@ if __name__ == "__main__":
              f"into {world} GPUs x --batch-size {args.batch_size}")
     local_images = images_per_epoch // world  # sampled by this rank per epoch
     num_batches = local_images // args.batch_size
-    run_dir = None  # a new run's is made once the model has loaded
+    run_dir = None
     parent = os.path.dirname(os.path.abspath(args.resume or "."))
     if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
         run_dir = os.path.dirname(parent)  # a resume goes on in its run
 
-    # ALGO LOGIC: from images to optimizer steps. Defaults on 8 GPUs: 48
-    # prompts x 24 images = 1152, 144 per GPU, in 18 micro-batches of 8, each
-    # trained at 20 timesteps (a micro-step: a forward and backward). GPU k's
-    # micro-batch s holds images 64 s + 8 k to 64 s + 8 k + 7, image i showing
-    # prompt i // 24: the GPUs' micro-batches s show each of their prompts in
-    # >= gcd(24, 64) = 8 images. 2 updates per epoch: a step sums 9 x 20 = 180
-    # micro-steps (accum_steps), averaged over the GPUs.
+    # ALGO LOGIC: from images to optimizer steps. Defaults on 8 GPUs: 48 x 24 = 1152 images;
+    # per GPU, 18 micro-batches of 8, each trained at 20 timesteps (micro-steps); a step sums
+    # 9 x 20 = 180 of them (accum_steps). crd_loss centers per prompt over the GPUs' batches s,
+    # images 64 s to 64 s + 63 (image i: prompt i // 24): >= gcd(24, 64) = 8 images a prompt.
     if num_batches % args.updates_per_epoch:
         fail(f"{num_batches} micro-batches per GPU per epoch do not split "
              f"into --updates-per-epoch {args.updates_per_epoch}")
@@ -625,11 +654,11 @@ if __name__ == "__main__":
     pipe = StableDiffusion3Pipeline.from_pretrained(
         args.model, dtype={"default": dtype, "vae": torch.float32}).to(device)
     transformer = pipe.transformer
-    transformer.requires_grad_(False)  # the LoRA alone trains
+    transformer.requires_grad_(False)
     torch.manual_seed(args.seed)  # the LoRA init, alike on all ranks
     transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
                                        init_lora_weights="gaussian",
-                                       target_modules=LORA_TARGETS))
+                                       target_modules=list(args.lora_targets)))
     lora_params = [p for p in transformer.parameters() if p.requires_grad]
     for p in lora_params:
         p.data = p.data.float()
@@ -649,16 +678,13 @@ if __name__ == "__main__":
     negative = encode(pipe, [""], device, args.max_sequence_length)  # CFG's, once
 
     def velocity(x, sigma, text: Text, guidance_scale=args.guidance_scale):
-        """The transformer's velocity at (x, sigma) for `text`, with CFG."""
         with autocast:
-            return predict_velocity(transformer, x, sigma, text, negative,
-                                    guidance_scale)
+            return predict_velocity(transformer, x, sigma, text, negative, guidance_scale)
 
     # ALGO LOGIC: the sigma grids, the algorithm's LoRA snapshots
     shift = pipe.scheduler.config.shift
-    sigmas = sigma_grid(args.num_steps, shift).to(device)  # (T+1,) 1 to 0
+    sigmas = sigma_grid(args.num_steps, shift).to(device)
     eval_sigmas = sigma_grid(args.eval_num_steps, shift).to(device)
-    # The old snapshot (the implicit reward's reference), the sampler's
     snapshots = {name: [p.detach().clone() for p in lora_params]
                  for name in ("old", "sampling")}
 
@@ -666,11 +692,9 @@ if __name__ == "__main__":
     start_epoch = 0
     global_step = 0
     if state is not None:
-        for p, saved in zip(lora_params + ema_params, state["lora"] + state["ema"]):
-            p.data.copy_(saved)
-        for name, copies in snapshots.items():
-            for p, saved in zip(copies, state["extra"][name]):
-                p.data.copy_(saved)
+        saved = state["lora"] + state["ema"] + sum(state["extra"].values(), [])
+        for p, value in zip(lora_params + ema_params + sum(snapshots.values(), []), saved):
+            p.data.copy_(value)
         optimizer.load_state_dict(state["optimizer"])
         start_epoch = state["next_epoch"]
         global_step = state["global_step"]
@@ -687,9 +711,7 @@ if __name__ == "__main__":
         prepare_run_dir(run_dir, start_epoch)
     if args.track and rank == 0:
         import wandb
-        wandb.init(project=args.wandb_project, entity=args.wandb_entity,
-                   name=os.path.basename(run_dir), config=vars(args), save_code=True,
-                   dir=run_dir)
+        wandb.init(name=os.path.basename(run_dir), config=vars(args), save_code=True, dir=run_dir)
 
     def stop(reason: str, code: int = 1):
         """End at once, queued rewards dropped: the run is in its checkpoints."""
@@ -716,8 +738,7 @@ if __name__ == "__main__":
 
     @torch.no_grad()
     def run_eval(epoch: int, prefix: str = "eval/", saved: str | None = None) -> dict:
-        """Score ODE samples of the EMA (EMA 0: the LoRA) or of the LoRA folder `saved`,
-        loaded as users do: a sample per test prompt i and eval seed s, noise (s, i)."""
+        """Score ODE samples of the EMA or LoRA folder `saved`: test prompt i, seed s."""
         if saved:
             with warnings.catch_warnings(action="ignore"):
                 pipe.load_lora_weights(saved, adapter_name="saved")
@@ -725,7 +746,6 @@ if __name__ == "__main__":
         by_prompt = {}  # test prompt -> its items
         for item in items:
             by_prompt.setdefault(test_prompts[item[0]], []).append(item)
-        # The contact sheet: the first 4 samples of the first 4 test prompts
         shown = [item for row in list(by_prompt.values())[:4] for item in row[:4]]
         transformer.eval()  # as in sampling: compiled graphs depend on the mode
         results = {}  # item -> its scores, 32x32 thumbnail, image if shown
@@ -741,10 +761,9 @@ if __name__ == "__main__":
             with swapped(lora_params, ema_params):
                 final = ode_sample(partial(velocity, text=text), noise, eval_sigmas)
                 moved = velocity(noise, eval_sigmas[0], text)
-            with adapters_disabled(transformer):  # for the drift
+            with adapters_disabled(transformer):
                 base = velocity(noise, eval_sigmas[0], text)
-            drift = (moved - base).flatten(1).norm(dim=1)
-            drift = drift / base.flatten(1).norm(dim=1)  # relative, per sample
+            drift = (moved - base).flatten(1).norm(dim=1) / base.flatten(1).norm(dim=1)
             images = decode(pipe.vae, final)
             meta = [test_meta[i] for i, _ in batch]
             try:
@@ -752,8 +771,7 @@ if __name__ == "__main__":
             except rewards.RewardError as error:
                 stop(f"error: {error} in the eval after {epoch} epochs")
             columns = {"reward_mean": batch_scores, "lora_drift": drift, **info}
-            pixels = images.permute(0, 2, 3, 1).cpu().numpy() * 255
-            pixels = pixels.round().astype(np.uint8)
+            pixels = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
             small = torch.nn.functional.interpolate(images, size=32, mode="area")
             for j, item in enumerate(batch):
                 row = {name: float(values[j]) for name, values in columns.items()}
@@ -773,7 +791,7 @@ if __name__ == "__main__":
                      for group in groups if len(group) > 1]
         if distances:  # RMS pixel distance of two samples of one prompt
             means["diversity"] = float(torch.stack(distances).mean())
-        if rank == 0:  # a row per test prompt, labelled with its mean reward
+        if rank == 0:  # a row per prompt, labelled with its mean reward
             labelled = []
             for text, row in by_prompt.items():
                 reward = np.mean([results[item][0]["reward_mean"] for item in row])
@@ -796,23 +814,18 @@ if __name__ == "__main__":
         epoch_start = clock(device)
         metrics = run_eval(epoch) if epoch % args.eval_every == 0 else {}
         text_start = clock(device)
-        # The same prompts on every rank: distinct, if the file has enough.
-        prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
+        prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)  # alike on all ranks
         num_prompts = len(train_prompts)
         if num_prompts >= args.prompts_per_epoch:
-            chosen = torch.randperm(num_prompts, generator=prompt_gen)
-            chosen = chosen[: args.prompts_per_epoch]
+            chosen = torch.randperm(num_prompts, generator=prompt_gen)[: args.prompts_per_epoch]
         else:
-            chosen = torch.randint(num_prompts, (args.prompts_per_epoch,),
-                                   generator=prompt_gen)
+            chosen = torch.randint(num_prompts, (args.prompts_per_epoch,), generator=prompt_gen)
         epoch_prompts = [train_prompts[i] for i in chosen]  # group g's is row g
         epoch_meta = [train_meta[i] for i in chosen]
         epoch_text = encode(pipe, epoch_prompts, device, args.max_sequence_length)
         sampling_start = clock(device)
 
-        # ALGO LOGIC: sampling. A rollout is the sampling snapshot's Euler ODE
-        # (eval's ode_sample); only x0 is kept. Rank k's micro-batch s holds
-        # the images (s W + k) B to (s W + k) B + B - 1, in groups of group_size.
+        # ALGO LOGIC: sampling, by ode_sample. Rank k's micro-batch s: images (s W + k) B + [0, B)
         image_ids = torch.arange(images_per_epoch)
         image_ids = image_ids.view(num_batches, world, -1)  # (S, W, B)
         group_ids = image_ids.transpose(0, 1).flatten() // args.group_size
@@ -834,41 +847,35 @@ if __name__ == "__main__":
             futures.append(executor.submit(reward_fn, images, prompts, meta))
             batches.append((text, x0))
 
-        # TRY NOT TO MODIFY: all ranks' rewards, in rank order, and the advantages
+        # TRY NOT TO MODIFY: all ranks' rewards and the advantages
         reward_start = clock(device)
         try:
             scores, infos = zip(*[future.result() for future in futures])
         except rewards.RewardError as error:
             stop(f"error: {error} at epoch {epoch}")
         info = {name: torch.cat([part[name] for part in infos]) for name in infos[0]}
-        all_rewards = torch.cat(scores).float().to(device)
-        all_rewards = all_gather_cat(all_rewards, world).cpu()  # (P*G,)
+        all_rewards = all_gather_cat(torch.cat(scores).float().to(device), world).cpu()  # (P*G,)
         all_components = {name: all_gather_cat(info[name].to(device), world).cpu()
                           for name in reward_fn.weights}
         extras = {f"reward/{name}": values.mean().item()  # e.g. pickscore_raw
                   for name, values in info.items() if name not in reward_fn.weights}
         extras = rank_mean(extras, world, device)
         if reward_fn.group_transform is not None:  # e.g. ranks within each group
-            all_rewards, all_components = reward_fn.group_transform(all_components,
-                                                                    group_ids)
+            all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
         advantages = compute_advantages(all_rewards, all_components, reward_fn.weights,
-                                        group_ids, args.advantage_aggregation,
-                                        args.per_group_std)
-        check_finite(f"epoch {epoch}", run_dir, reward=all_rewards,
-                     advantage=advantages)
+                                        group_ids, args.advantage_aggregation, args.per_group_std)
+        check_finite(f"epoch {epoch}", run_dir, reward=all_rewards, advantage=advantages)
         group_std = torch.stack([all_rewards[group_ids == group].std(unbiased=False)
                                  for group in range(args.prompts_per_epoch)])
         training_start = clock(device)
 
-        # ALGO LOGIC: training. A micro-step re-noises a micro-batch's x0 at a
-        # sigma of the grid and backpropagates crd_loss. Row s of the (S, W*B)
-        # tensors: all ranks' micro-batches s.
+        # ALGO LOGIC: training. Row s of the (S, W*B) tensors: all ranks' micro-batches s.
         step_advantages = advantages.view(world, num_batches, -1)
         step_advantages = step_advantages.transpose(0, 1).flatten(1).to(device)
         step_groups = image_ids.flatten(1) // args.group_size
         step_groups = step_groups.to(device)
         transformer.train()
-        # The timesteps alike on all ranks, the noise per rank
+        # Timesteps alike on all ranks, noise per rank
         time_gen = seeded_generator(device, args.seed, epoch, 1)
         train_gen = seeded_generator(device, args.seed, epoch, rank, 1)
         stats = defaultdict(list)  # a value per micro-step
@@ -876,9 +883,7 @@ if __name__ == "__main__":
         progress = tqdm(batches, f"epoch {epoch} training", disable=quiet,
                         leave=False)
         for index, (text, x0) in enumerate(progress):
-            timesteps = train_timesteps(sigmas[:-1], args.num_train_timesteps,
-                                        time_gen)
-            for sigma in timesteps:
+            for sigma in train_timesteps(sigmas[:-1], args.num_train_timesteps, time_gen):
                 noise = torch.randn(x0.shape, generator=train_gen, device=device)
                 x_t = (1 - sigma) * x0 + sigma * noise
                 target = noise - x0  # the flow-matching velocity
@@ -901,8 +906,7 @@ if __name__ == "__main__":
                     accum_steps=accum_steps)
                 scaler.scale(loss).backward()
                 if micro_step == 0:  # exactly 0 while the old snapshot is the LoRA
-                    first = implicit_reward.abs().max().item()
-                    metrics["losses/first_r_theta_abs"] = first
+                    metrics["losses/first_r_theta_abs"] = implicit_reward.abs().max().item()
                 for name, value in step_stats.items():
                     stats[name].append(value)
                 micro_step += 1
@@ -912,14 +916,10 @@ if __name__ == "__main__":
                         world, loss, f"epoch {epoch}, step {global_step}",
                         run_dir)
                     global_step += 1
-        # Upstream's EMA steps each epoch and moves every ema_every epochs,
-        # by a decay warmed up as (1 + epoch) / (10 + epoch) (EMAModuleWrapper's
-        # 10 warm-up steps): the early EMA follows the LoRA. EMA decay 0: the LoRA.
+        # Upstream's EMAModuleWrapper, every ema_every epochs (warm-up: epochs); 0: the LoRA
         if (epoch + 1) % args.ema_every == 0 or args.ema_decay == 0:
             decay = min(args.ema_decay, (1 + epoch) / (10 + epoch))
             blend_snapshot(ema_params, lora_params, decay)
-        # The snapshots move each epoch, by decays that follow the
-        # optimizer steps.
         decays = {"old": snapshot_decay(global_step, args.old_decay),
                   "sampling": snapshot_decay(global_step, args.sampling_decay)}
         for name, decay in decays.items():
@@ -939,9 +939,7 @@ if __name__ == "__main__":
         # TRY NOT TO MODIFY: shared metrics, the line, checkpoint, final eval
         epoch_end = clock(device)
         epoch_seconds = epoch_end - epoch_start
-        compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        # Peak memory: the process's (KiB on Linux) or the GPU's.
-        max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+        max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
         if device.type == "cuda":
             max_mem_gb = torch.cuda.max_memory_allocated(device) / 1e9
         metrics.update({
@@ -949,8 +947,7 @@ if __name__ == "__main__":
             "reward/mean": all_rewards.mean().item(),
             "reward/std": all_rewards.std(unbiased=False).item(),
             "reward/zero_std_group_frac": (group_std == 0).float().mean().item(),
-            **{f"reward/{name}": part.mean().item()
-               for name, part in all_components.items()},
+            **{f"reward/{name}": part.mean().item() for name, part in all_components.items()},
             **extras,
             "charts/global_step": global_step,
             "charts/learning_rate": args.learning_rate,
@@ -961,13 +958,12 @@ if __name__ == "__main__":
             "perf/sampling_seconds": reward_start - sampling_start,
             "perf/reward_seconds": training_start - reward_start,
             "perf/training_seconds": epoch_end - training_start,
-            "perf/compiled_graphs": compiled_graphs,
+            "perf/compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
             "perf/max_mem_gb": max_mem_gb})
         if rank == 0:
             line = (f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± "
                     f"{metrics['reward/std']:.4f} | {summary} | "
-                    f"{metrics['perf/images_per_sec']:.2f} img/s | "
-                    f"{epoch_seconds:.0f}s")
+                    f"{metrics['perf/images_per_sec']:.2f} img/s | {epoch_seconds:.0f}s")
             if "eval/reward_mean" in metrics:
                 line += (f" | eval {metrics['eval/reward_mean']:.4f} ± "
                          f"{metrics['eval/reward_stderr']:.4f}")
@@ -980,13 +976,19 @@ if __name__ == "__main__":
             if rank == 0:
                 save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
                                 optimizer, epoch + 1, global_step, args)
-                prune_checkpoints(run_dir, path, args.save_every,
-                                  args.checkpoints_total_limit)
+                prune_checkpoints(run_dir, path, args.save_every, args.checkpoints_total_limit)
             if world > 1:
                 dist.barrier()
             if last:  # the saved file's score, not the memory's
                 metrics.update(run_eval(epoch + 1, "eval/final_", f"{path}/ema_lora"))
                 log(metrics, epoch)
+            if rank == 0:
+                write_card(run_dir, args, images_per_epoch)
+            if rank == 0 and last and args.push_to_hub:  # the final EMA LoRA alone
+                hub = huggingface_hub.HfApi()
+                hub.create_repo(args.hub_model_id, private=args.hub_private, exist_ok=True)
+                hub.upload_folder(repo_id=args.hub_model_id, folder_path=f"{path}/ema_lora")
+                print(f"pushed to https://huggingface.co/{args.hub_model_id}")
         except (OSError, SafetensorError) as error:
             stop(f"error: {error} (saving epoch {epoch + 1})")
     executor.shutdown()

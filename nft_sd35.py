@@ -69,6 +69,11 @@ from sde import compute_advantages, sde_step
 #   grad_norm    the gradient norm of the last optimizer step
 #   summary      the algorithm's part of the epoch's line on stdout
 
+# The joint-attention projections of every MMDiT block, as flow_grpo, NFT and AWM
+LORA_TARGETS = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj",
+                "attn.to_add_out", "attn.to_k", "attn.to_out.0", "attn.to_q",
+                "attn.to_v")
+
 @dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -76,11 +81,7 @@ class Args:
     seed: int = 42
     """seed of the LoRA init, prompt draws and noise"""
     track: bool = False
-    """log to Weights & Biases too"""
-    wandb_project: str = "flowrl"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (None: your default one)"""
+    """also log to wandb (WANDB_PROJECT, WANDB_ENTITY: where)"""
     output_dir: str = "runs"
     """runs go to OUTPUT_DIR/RUN_NAME"""
     resume: str | None = None
@@ -88,17 +89,19 @@ class Args:
     eval_only: bool = False
     """evaluate --resume's EMA (its flags but those given), or the base"""
     model: str = "stabilityai/stable-diffusion-3.5-medium"
-    """hub id or local path of a diffusers StableDiffusion3Pipeline"""
+    """hub id or path of a diffusers StableDiffusion3Pipeline"""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
-    """dtype of the frozen weights (LoRA and VAE: fp32), with autocast"""
+    """dtype of the frozen weights (LoRA, VAE: fp32), with autocast"""
     gradient_checkpointing: bool = False
     """recompute activations in backward (less memory, ~30% slower)"""
     compile: bool = torch.cuda.is_available()
     """torch.compile each transformer block (~2x faster; on with CUDA)"""
     lora_rank: Annotated[int, ">= 1"] = 32
-    """LoRA rank on the 8 joint-attention projections of every block"""
+    """LoRA rank"""
     lora_alpha: Annotated[int, "> 0"] = 64
     """LoRA alpha (scale = alpha / rank)"""
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    """layers to adapt: names or dotted ends (peft's target_modules)"""
     train_prompts: str = "prompts/train.txt"
     """a prompt per line, or JSONL: `prompt` and fields for the reward"""
     test_prompts: str = "prompts/test.txt"
@@ -106,7 +109,7 @@ class Args:
     reward: str = "ocr"
     """rewards.py name, weighted sum `ocr=1,pickscore=0.5`, `file.py:fn`"""
     eval_reward: str | None = None
-    """reward of eval (None: the training reward)"""
+    """eval's reward (None: --reward)"""
     advantage_aggregation: Literal["sum", "gdpo"] = "sum"
     """normalise the rewards' weighted sum, or each, then sum (GDPO)"""
     per_group_std: bool = False
@@ -131,6 +134,12 @@ class Args:
     """eval noise: a sample per test prompt and seed (tune on others)"""
     checkpoints_total_limit: Annotated[int | None, ">= 1"] = None
     """keep the newest N of the --save-every grid (None: all)"""
+    push_to_hub: bool = False
+    """upload the final ema_lora/ and its card to the Hub"""
+    hub_model_id: str | None = None
+    """its Hub repository (None: YOUR_HUB_NAME/EXP_NAME)"""
+    hub_private: bool = False
+    """make that repository private"""
     # Algorithm-specific arguments (defaults: the paper's OCR run)
     max_sequence_length: Annotated[int, ">= 1"] = 128
     """T5 tokens per prompt"""
@@ -162,32 +171,24 @@ class Args:
     save_every: Annotated[int, ">= 1"] = 30
     """checkpoint every N epochs (and after the last)"""
 
-# TRY NOT TO MODIFY: the LoRA's layers, what --resume must match, ranges
-# The joint-attention projections of every MMDiT block, as flow_grpo, NFT and AWM
-LORA_TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj",
-                "attn.to_add_out", "attn.to_k", "attn.to_out.0", "attn.to_q",
-                "attn.to_v"]
-STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other values
+# TRY NOT TO MODIFY: what --resume must match, ranges
+STATE_FLAGS = ["model", "lora_rank", "lora_alpha", "lora_targets"]
 RANGES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: x >= 2,
           "> 0": lambda x: x > 0, "in [0, 1)": lambda x: 0 <= x < 1,
           "in (0, 1]": lambda x: 0 < x <= 1, "in [0, 1]": lambda x: 0 <= x <= 1}
 
 # ALGO LOGIC: the sampler and the loss
-
 @torch.no_grad()
 def dpm_sample(velocity, noise, sigmas) -> torch.Tensor:
-    """Deterministic DPM-Solver++ in data prediction: first-order (DDIM)
-    steps out of sigmas[0] and into sigmas[-1], second-order multistep
-    between. velocity(x, sigma) -> v; noise: (B, C, h, w); sigmas: (T+1,)
-    from 1 to 0. Returns the latents (B, T+1, C, h, w), fp32. s: the sigmas
-    in fp64, as all coefficients; lam: the log-SNR log((1 - s) / s), -inf at
-    sigma 1 (so that the second step is first order too, as upstream's); h:
-    its increment."""
+    """Deterministic DPM-Solver++ in data prediction, fp64 coefficients: DDIM
+    out of sigmas[0] and into sigmas[-1], second-order multistep between.
+    noise (B, C, h, w), sigmas (T+1,) 1 to 0 -> latents (B, T+1, C, h, w), fp32."""
     s = sigmas.double()
+    # The log-SNR, -inf at sigma 1: the second step is first order too, as upstream's.
     lam = torch.log(1 - s) - torch.log(s)
     x = noise.float()
     latents = [x]
-    x0_prev = None  # the previous step's data prediction
+    x0_prev = None
     for i in range(len(s) - 1):
         x0 = x - s[i] * velocity(x, sigmas[i]).float()  # the data prediction
         if i == 0 or i == len(s) - 2:  # DDIM: x0 and its implied noise, at s[i+1]
@@ -207,25 +208,17 @@ def nft_loss(*, v, v_old, v_ref, x0, xt, t, advantages, beta, adv_clip, kl_beta,
     """A micro-step's loss: (loss to backward, {statistic: float}).
 
     v, v_old, v_ref: (B, C, h, w) fp32 velocities of the policy, the old
-    (rollout) policy and the base model (None: no KL) at
-    xt = (1 - t) x0 + t noise; t, advantages: (B,). The terms:
-    - implicit policies v+ = beta v + (1 - beta) v_old and
-      v- = (1 + beta) v_old - beta v: fitting v+ to good samples and v- to
-      bad ones moves v towards the good, away from the bad;
-    - adaptive weighting: per sample l+- = mean(e^2) / sg(mean |e|), with
-      e = xt - t v+- - x0 (fp64; sg: detached, >= 1e-5): a loss like |e|,
-      so that no timestep or outlier dominates;
-    - r = clip(A, +-adv_clip) / (2 adv_clip) + 1/2, the probability in
-      [0, 1] that a sample is good, weighs the branches: r l+ + (1 - r) l-;
-    - x adv_clip / beta: where v == v_old (an epoch's start while eta is 0)
-      the gradient is clip(A, +-adv_clip) times that of the weighted
-      flow-matching loss, whatever beta is;
-    - + kl_beta mean((v - v_ref)^2), upstream's KL to the base model;
-    - / accum_steps: an optimizer step sums its micro-steps' gradients."""
+    (rollout) policy and the base model (None: no KL) at xt = (1 - t) x0 +
+    t noise; t, advantages: (B,). Fitting the implicit policy v+ to good
+    samples and v- to bad ones moves v towards the good, away from the bad;
+    r, the probability that a sample is good, weighs the two. x adv_clip /
+    beta: at v == v_old (an epoch's start while eta is 0) the gradient is
+    clip(A, +-adv_clip) times the weighted flow-matching loss's, whatever
+    beta is. kl: upstream's KL to the base model."""
     dims = tuple(range(1, v.dim()))
     t = t.view([-1] + [1] * (v.dim() - 1))  # (B, 1, 1, 1)
 
-    def normalised_error(v_branch):  # (B,)
+    def normalised_error(v_branch):  # (B,), like |e|: no timestep or outlier dominates
         error = xt - t * v_branch - x0
         scale = error.detach().double().abs().mean(dim=dims, keepdim=True)
         scale = scale.clamp_min(1e-5)
@@ -239,30 +232,25 @@ def nft_loss(*, v, v_old, v_ref, x0, xt, t, advantages, beta, adv_clip, kl_beta,
     kl = torch.zeros((), device=v.device)
     if v_ref is not None:
         kl = ((v - v_ref) ** 2).mean(dim=dims).mean()
-    stats = {"policy_loss": policy_loss.item(), "kl": kl.item()}
-    # How far the policy has moved from the old one: 0 while they are equal.
-    stats["old_deviate"] = ((v.detach() - v_old) ** 2).mean().item()
+    stats = {"policy_loss": policy_loss.item(), "kl": kl.item(),
+             "old_deviate": ((v.detach() - v_old) ** 2).mean().item()}
     return (policy_loss + kl_beta * kl) / accum_steps, stats
 
 def old_decay(step: int, decay_type: int) -> float:
-    """eta of the old policy's update old <- eta old + (1 - eta) current,
-    after `step` optimizer steps. Upstream's return_decay: 0 for a flat
-    number of steps, then up by a rate per step, to a cap. eta 0 (on-policy)
-    learns fast, then collapses; a growing eta is stabler (the paper's
-    Fig. 8)."""
+    """eta of old <- eta old + (1 - eta) current after `step` optimizer steps
+    (upstream's return_decay). eta 0 (on-policy) learns fast, then collapses;
+    a growing eta is stabler (the paper's Fig. 8)."""
     if decay_type == 0:
         return 0.0
-    if decay_type == 1:  # up from 0 by 0.001 a step, capped at 0.5 from step 500
+    if decay_type == 1:  # 0.5 from step 500
         return min(0.001 * step, 0.5)
-    # OCR's: on-policy for the fast first 75 steps (about 37 epochs at 2
-    # updates each), then up by 0.0075 a step to 0.999 from step 209 on: from
-    # there the old policy is a slow EMA of the current one, which keeps the
-    # long run stable.
+    # OCR's: on-policy for the fast first 75 steps (~37 epochs at 2 updates
+    # each), then 0.999 from step 209: a slow EMA that keeps long runs stable.
     if step < 75:
         return 0.0
     return min(0.0075 * (step - 75), 0.999)
 
-# TRY NOT TO MODIFY: helpers shared verbatim by the SD3.5 scripts
+# TRY NOT TO MODIFY: the shared helpers
 class Text(NamedTuple):
     """Encoded prompts: T5 + CLIP tokens (B, L, 4096), pooled CLIP (B, 2048)."""
     embeds: torch.Tensor
@@ -277,7 +265,6 @@ def say(message: str):
         print(message, flush=True)
 
 def check_ranges(args):
-    """Every number flag is finite and >= 0, or in its annotated range."""
     for field in fields(args):
         value = getattr(args, field.name)
         allowed = getattr(field.type, "__metadata__", [">= 0"])[0]
@@ -307,11 +294,11 @@ def check_args(args) -> dict | None:
             fail(f"--resume {args.resume!r}: {state}")
     if args.resume:
         say(f"resuming from {args.resume}")
-    if args.resume and args.eval_only:  # the checkpoint's flags, but those given
+    if args.resume and args.eval_only:
         given = {word[2:].split("=")[0].removeprefix("no-").replace("-", "_")
                  for word in sys.argv[1:] if word.startswith("--")}
         for name, value in state["args"].items():
-            if name not in given | {"resume", "eval_only"}:
+            if name not in given | {"resume", "eval_only", "push_to_hub"}:
                 setattr(args, name, value)
     check_ranges(args)
     if args.mixed_precision == "fp16" and not torch.cuda.is_available():
@@ -321,7 +308,7 @@ def check_args(args) -> dict | None:
         tempfile.TemporaryFile(dir=args.output_dir).close()
     except OSError as error:
         fail(f"--output-dir {args.output_dir!r}: {error.strerror}")
-    try:  # configs only: the resolution's factor, before the weights
+    try:  # configs only, before the weights
         vae = AutoencoderKL.load_config(args.model, subfolder="vae")
         dit = SD3Transformer2DModel.load_config(args.model, subfolder="transformer")
     except Exception as error:
@@ -331,15 +318,26 @@ def check_args(args) -> dict | None:
     if args.resolution % factor:
         fail(f"--resolution {args.resolution} is not a positive multiple of {factor} "
              "(VAE downsampling x patch size)")
+    with torch.device("meta"):  # the layers' names, not their weights
+        names = [f".{name}" for name, _ in SD3Transformer2DModel.from_config(dit).named_modules()]
+    for target in args.lora_targets:  # matched as peft does
+        if not any(name.endswith(f".{target}") for name in names):
+            fail(f"--lora-targets {target} names no layer of {args.model}")
     if args.track and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
         import wandb
         if not wandb.login(prompt=False):
             fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), "
                  "or WANDB_MODE=offline")
+    if args.push_to_hub:  # found now, not after training
+        try:
+            user = huggingface_hub.whoami()["name"]
+        except Exception as error:  # no token, offline, no answer
+            fail(f"--push-to-hub needs a Hub login (hf auth login): {type(error).__name__}")
+        args.hub_model_id = args.hub_model_id or f"{user}/{args.exp_name}"
     if not args.resume:
         return None
     script = os.path.basename(__file__)
-    if state.get("script") != script:  # e.g. a CRD run's, in GRPO
+    if state.get("script") != script:
         fail(f"--resume {args.resume!r} is not a checkpoint of {script}")
     for name in STATE_FLAGS:
         if state["args"][name] != getattr(args, name):
@@ -363,7 +361,6 @@ def load_state(save: str) -> dict | str:
     return torch.load(io.BytesIO(data), map_location="cpu")
 
 def load_prompts(path: str) -> tuple[list[str], list[dict]]:
-    """A prompt per line, or JSONL with a `prompt`: prompts and metadata."""
     if not os.path.isfile(path):
         fail(f"prompt file {path!r} does not exist (docs/usage.md: prompt sets)")
     with open(path, encoding="utf-8-sig") as file:  # a BOM is no part of a prompt
@@ -379,7 +376,7 @@ def load_prompts(path: str) -> tuple[list[str], list[dict]]:
         fail(f"every line of {path!r} must be a JSON object with a 'prompt' ({error!r})")
 
 def all_gather_cat(tensor: torch.Tensor, world: int) -> torch.Tensor:
-    """Concatenate an equally shaped tensor from every rank, in rank order."""
+    """Every rank's equally shaped tensor, concatenated in rank order."""
     if world == 1:
         return tensor
     gathered = [torch.empty_like(tensor) for _ in range(world)]
@@ -402,8 +399,7 @@ def predict_velocity(transformer, x, sigma, text: Text, negative: Text,
                      guidance_scale: float) -> torch.Tensor:
     """CFG's velocity u + g (c - u) at sigma (a float or (B,)), one forward."""
     cfg = guidance_scale != 1.0
-    timestep = 1000 * torch.as_tensor(sigma, device=x.device, dtype=torch.float32)
-    timestep = timestep.expand(x.shape[0])
+    timestep = 1000 * torch.as_tensor(sigma, device=x.device, dtype=torch.float32).expand(len(x))
     embeds, pooled = text
     if cfg:
         x = torch.cat([x, x])
@@ -432,16 +428,13 @@ def decode(vae, latents) -> torch.Tensor:
     latents = latents.float() / vae.config.scaling_factor + vae.config.shift_factor
     return (vae.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
 
-def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where,
-                   run_dir):
-    """All-reduce, unscale, clip, check, step: the grad norm before the clip."""
+def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where, run_dir):
     if world > 1:
         flat = torch.nn.utils.parameters_to_vector(p.grad for p in params)
         dist.all_reduce(flat)
-        grads = [p.grad for p in params]
-        torch.nn.utils.vector_to_parameters(flat / world, grads)
+        torch.nn.utils.vector_to_parameters(flat / world, [p.grad for p in params])
     scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)  # before the clip
     if not scaler.is_enabled():  # fp16's scaler skips non-finite steps itself
         check_finite(where, run_dir, loss=loss, gradient=grad_norm)
     scaler.step(optimizer)
@@ -451,16 +444,14 @@ def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where,
 
 def save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
                     optimizer, next_epoch, global_step, args):
-    """Written to a hidden directory, then renamed: `lora/`, `ema_lora/` (diffusers
-    LoRAs), state.pt to resume from, and its checksum, last."""
+    """lora/, ema_lora/ (diffusers LoRAs), state.pt, its checksum last; then renamed."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    config = transformer.peft_config["default"].to_dict()
     for name, copies in [("lora", []), ("ema_lora", ema_params)]:
         with swapped(lora_params, copies):  # [] swaps nothing in
             StableDiffusion3Pipeline.save_lora_weights(
                 os.path.join(tmp, name), get_peft_model_state_dict(transformer),
-                transformer_lora_adapter_metadata=config)
+                transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict())
     extra = {name: [p.cpu() for p in copies] for name, copies in snapshots.items()}
     state = io.BytesIO()  # Python writes it: a full disk is an OSError naming it
     torch.save({"lora": [p.detach().cpu() for p in lora_params],
@@ -482,13 +473,49 @@ def prune_checkpoints(run_dir: str, current: str, save_every: int, limit: int | 
     for save in set(saves) - kept:
         shutil.rmtree(save)
 
+def write_card(run_dir: str, args, images_per_epoch: int):
+    """The Hub's model card (README.md) and eval sheet in each evaluated checkpoint."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as file:
+        evals = [(row[key + "sheet"], row[key + "reward_mean"]) for row in map(json.loads, file)
+                 for key in ["eval/", "eval/final_"] if key + "sheet" in row]
+    evals = [(sheet, math.nan if x is None else x) for sheet, x in evals]  # null: NaN
+    name = os.path.basename(__file__)
+    about = " ".join(__doc__[: __doc__.index("Docs:")].split())
+    flags = ", ".join(f"`--{flag.replace('_', '-')} {value}`" for flag, value in vars(args).items())
+    for sheet, reward in evals:
+        epochs = int(sheet[5:10])  # eval_00060.png
+        save = os.path.join(run_dir, "checkpoints", f"epoch_{epochs:05d}")
+        if not os.path.isdir(save):  # the base model's, or pruned
+            continue
+        card = f"""---
+base_model: {args.model}
+library_name: diffusers
+license: other
+tags: [diffusers, lora, text-to-image, {name[:-3]}]
+---
+# {name}: a LoRA of {args.model} (its licence applies)
+{about}. Eval reward `{args.eval_reward or args.reward}` of `ema_lora/` (the EMA of
+`lora/`): {evals[0][1]:.4f} before, {reward:.4f} after {epochs} epochs
+({epochs * images_per_epoch:,} images); a row per test prompt:
+![eval sheet](eval_sheet.png)
+```python
+pipe = DiffusionPipeline.from_pretrained("{args.model}")
+pipe.load_lora_weights("{args.hub_model_id or save + '/ema_lora'}")
+```
+Flags: {flags}
+"""
+        for folder in [f"{save}/lora", f"{save}/ema_lora"]:
+            with open(f"{folder}/README.md", "w") as file:
+                file.write(card)
+            shutil.copy(os.path.join(run_dir, sheet), f"{folder}/eval_sheet.png")
+
 def last_checkpoint(run_dir: str) -> str:
     saves = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
     return saves[-1] if saves else "none saved yet"
 
 @contextmanager
 def swapped(params, copies):
-    """Temporarily swap `copies` (the EMA, a snapshot) into the live parameters."""
+    """Swap `copies` (the EMA, a snapshot) into the live parameters, and back."""
     for p, copy in zip(params, copies):
         p.data, copy.data = copy.data, p.data
     try:
@@ -499,7 +526,6 @@ def swapped(params, copies):
 
 @contextmanager
 def adapters_disabled(transformer):
-    """The base model: the same transformer, its LoRA switched off."""
     transformer.disable_adapters()
     try:
         yield
@@ -507,8 +533,7 @@ def adapters_disabled(transformer):
         transformer.enable_adapters()
 
 def prepare_run_dir(run_dir: str, start_epoch: int):
-    """Go on at start_epoch: drop crashed saves and the epochs it redoes (checkpoints,
-    metrics); metrics.jsonl is rewritten whole, minus a cut-off line."""
+    """Drop crashed saves, and the saves and metrics lines after start_epoch."""
     folder = os.path.join(run_dir, "checkpoints")
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
         if name[0] == "." or int(name[-5:]) > start_epoch:  # hidden: a crashed save
@@ -547,7 +572,6 @@ def clock(device) -> float:
     return time.perf_counter()
 
 def check_finite(where: str, run_dir: str, **values):
-    """Stop, naming the first non-finite value and the last checkpoint."""
     for name, value in values.items():
         if not torch.isfinite(torch.as_tensor(value)).all():
             fail(f"non-finite {name} at {where}; stopping. Last checkpoint: "
@@ -557,9 +581,7 @@ if __name__ == "__main__":
     # TRY NOT TO MODIFY: input checks and rewards, before the model loads
     args = tyro.cli(Args, description=__doc__.split("\n\n")[0])
     state = check_args(args)
-    train_prompts, train_meta = [], []  # --eval-only trains on none
-    if not args.eval_only:
-        train_prompts, train_meta = load_prompts(args.train_prompts)
+    train_prompts, train_meta = ([], []) if args.eval_only else load_prompts(args.train_prompts)
     test_prompts, test_meta = load_prompts(args.test_prompts)
     rank = int(os.environ.get("RANK", 0))  # torchrun's
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -567,9 +589,9 @@ if __name__ == "__main__":
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    if "RANK" in os.environ:  # set by torchrun
+    if "RANK" in os.environ:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    quiet = rank != 0 or not sys.stderr.isatty()  # bars on rank 0's terminal
+    quiet = rank != 0 or not sys.stderr.isatty()
     if quiet:  # the model-loading bars too
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
@@ -589,15 +611,14 @@ if __name__ == "__main__":
              f"into {world} GPUs x --batch-size {args.batch_size}")
     local_images = images_per_epoch // world  # sampled by this rank per epoch
     num_batches = local_images // args.batch_size
-    run_dir = None  # a new run's is made once the model has loaded
+    run_dir = None
     parent = os.path.dirname(os.path.abspath(args.resume or "."))
     if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
         run_dir = os.path.dirname(parent)  # a resume goes on in its run
 
-    # ALGO LOGIC: from images to optimizer steps. The defaults on 8 GPUs: 48 prompts x
-    # 24 images = 1152, 144 per GPU, in 16 micro-batches of 9, each re-noised at
-    # int(10 x 0.99) = 9 grid sigmas (a micro-step: a forward and backward). 2 updates
-    # per epoch: a step sums 8 x 9 = 72 micro-steps (accum_steps), averaged over GPUs.
+    # ALGO LOGIC: from images to optimizer steps. The defaults on 8 GPUs: 48 x 24 = 1152
+    # images, 144 per GPU in 16 micro-batches of 9, each re-noised at int(10 x 0.99) = 9
+    # sigmas (9 micro-steps); 2 updates/epoch: a step sums 8 x 9 = 72 (accum_steps).
     if num_batches % args.updates_per_epoch:
         fail(f"{num_batches} micro-batches per GPU per epoch do not split into "
              f"--updates-per-epoch {args.updates_per_epoch}")
@@ -617,11 +638,11 @@ if __name__ == "__main__":
     pipe = StableDiffusion3Pipeline.from_pretrained(
         args.model, dtype={"default": dtype, "vae": torch.float32}).to(device)
     transformer = pipe.transformer
-    transformer.requires_grad_(False)  # the LoRA alone trains
+    transformer.requires_grad_(False)
     torch.manual_seed(args.seed)  # the LoRA init, alike on all ranks
     transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
                                        init_lora_weights="gaussian",
-                                       target_modules=LORA_TARGETS))
+                                       target_modules=list(args.lora_targets)))
     lora_params = [p for p in transformer.parameters() if p.requires_grad]
     for p in lora_params:
         p.data = p.data.float()
@@ -641,18 +662,15 @@ if __name__ == "__main__":
     negative = encode(pipe, [""], device, args.max_sequence_length)  # CFG's, once
 
     def velocity(x, sigma, text: Text, guidance_scale=args.guidance_scale):
-        """The transformer's velocity at (x, sigma) for `text`, with CFG."""
         with autocast:
-            return predict_velocity(transformer, x, sigma, text, negative,
-                                    guidance_scale)
+            return predict_velocity(transformer, x, sigma, text, negative, guidance_scale)
 
     # ALGO LOGIC: the sigma grids, the old policy's LoRA snapshot
     pipe.scheduler.set_timesteps(args.num_steps, device=device)
     sigmas = pipe.scheduler.sigmas.float()  # (T+1,) 1 to 0, SD3's shifted schedule
     train_sigmas = sigmas[:-1]  # (T,): at sigma 0, x_t is x0: nothing to learn
-    if rank == 0:
-        print(f"rollout grid sigma {[round(x, 4) for x in sigmas.tolist()]}; "
-              "training timesteps: all but the final 0")
+    say(f"rollout grid sigma {[round(x, 4) for x in sigmas.tolist()]}; "
+        "training timesteps: all but the final 0")
     pipe.scheduler.set_timesteps(args.eval_num_steps, device=device)
     eval_sigmas = pipe.scheduler.sigmas.float()
     # The old policy samples the rollouts and anchors nft_loss (see old_decay).
@@ -663,11 +681,9 @@ if __name__ == "__main__":
     start_epoch = 0
     global_step = 0
     if state is not None:
-        for p, saved in zip(lora_params + ema_params, state["lora"] + state["ema"]):
-            p.data.copy_(saved)
-        for name, copies in snapshots.items():
-            for p, saved in zip(copies, state["extra"][name]):
-                p.data.copy_(saved)
+        saved = state["lora"] + state["ema"] + sum(state["extra"].values(), [])
+        for p, value in zip(lora_params + ema_params + sum(snapshots.values(), []), saved):
+            p.data.copy_(value)
         optimizer.load_state_dict(state["optimizer"])
         start_epoch = state["next_epoch"]
         global_step = state["global_step"]
@@ -684,9 +700,7 @@ if __name__ == "__main__":
         prepare_run_dir(run_dir, start_epoch)
     if args.track and rank == 0:
         import wandb
-        wandb.init(project=args.wandb_project, entity=args.wandb_entity,
-                   name=os.path.basename(run_dir), config=vars(args), save_code=True,
-                   dir=run_dir)
+        wandb.init(name=os.path.basename(run_dir), config=vars(args), save_code=True, dir=run_dir)
 
     def stop(reason: str, code: int = 1):
         """End at once, queued rewards dropped: the run is in its checkpoints."""
@@ -713,8 +727,7 @@ if __name__ == "__main__":
 
     @torch.no_grad()
     def run_eval(epoch: int, prefix: str = "eval/", saved: str | None = None) -> dict:
-        """Score ODE samples of the EMA (EMA 0: the LoRA) or of the LoRA folder `saved`,
-        loaded as users do: a sample per test prompt i and eval seed s, noise (s, i)."""
+        """Score ODE samples of the EMA or LoRA folder `saved`: test prompt i, seed s."""
         if saved:
             with warnings.catch_warnings(action="ignore"):
                 pipe.load_lora_weights(saved, adapter_name="saved")
@@ -722,7 +735,6 @@ if __name__ == "__main__":
         by_prompt = {}  # test prompt -> its items
         for item in items:
             by_prompt.setdefault(test_prompts[item[0]], []).append(item)
-        # The contact sheet: the first 4 samples of the first 4 test prompts
         shown = [item for row in list(by_prompt.values())[:4] for item in row[:4]]
         transformer.eval()  # as in sampling: compiled graphs depend on the mode
         results = {}  # item -> its scores, 32x32 thumbnail, image if shown
@@ -738,10 +750,9 @@ if __name__ == "__main__":
             with swapped(lora_params, ema_params):
                 final = ode_sample(partial(velocity, text=text), noise, eval_sigmas)
                 moved = velocity(noise, eval_sigmas[0], text)
-            with adapters_disabled(transformer):  # for the drift
+            with adapters_disabled(transformer):
                 base = velocity(noise, eval_sigmas[0], text)
-            drift = (moved - base).flatten(1).norm(dim=1)
-            drift = drift / base.flatten(1).norm(dim=1)  # relative, per sample
+            drift = (moved - base).flatten(1).norm(dim=1) / base.flatten(1).norm(dim=1)
             images = decode(pipe.vae, final)
             meta = [test_meta[i] for i, _ in batch]
             try:
@@ -749,8 +760,7 @@ if __name__ == "__main__":
             except rewards.RewardError as error:
                 stop(f"error: {error} in the eval after {epoch} epochs")
             columns = {"reward_mean": batch_scores, "lora_drift": drift, **info}
-            pixels = images.permute(0, 2, 3, 1).cpu().numpy() * 255
-            pixels = pixels.round().astype(np.uint8)
+            pixels = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
             small = torch.nn.functional.interpolate(images, size=32, mode="area")
             for j, item in enumerate(batch):
                 row = {name: float(values[j]) for name, values in columns.items()}
@@ -770,7 +780,7 @@ if __name__ == "__main__":
                      for group in groups if len(group) > 1]
         if distances:  # RMS pixel distance of two samples of one prompt
             means["diversity"] = float(torch.stack(distances).mean())
-        if rank == 0:  # a row per test prompt, labelled with its mean reward
+        if rank == 0:  # a row per prompt, labelled with its mean reward
             labelled = []
             for text, row in by_prompt.items():
                 reward = np.mean([results[item][0]["reward_mean"] for item in row])
@@ -793,30 +803,25 @@ if __name__ == "__main__":
         epoch_start = clock(device)
         metrics = run_eval(epoch) if epoch % args.eval_every == 0 else {}
         text_start = clock(device)
-        # The same prompts on every rank: distinct, if the file has enough.
-        prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
+        prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)  # alike on all ranks
         num_prompts = len(train_prompts)
         if num_prompts >= args.prompts_per_epoch:
-            chosen = torch.randperm(num_prompts, generator=prompt_gen)
-            chosen = chosen[: args.prompts_per_epoch]
+            chosen = torch.randperm(num_prompts, generator=prompt_gen)[: args.prompts_per_epoch]
         else:
-            chosen = torch.randint(num_prompts, (args.prompts_per_epoch,),
-                                   generator=prompt_gen)
+            chosen = torch.randint(num_prompts, (args.prompts_per_epoch,), generator=prompt_gen)
         epoch_prompts = [train_prompts[i] for i in chosen]  # group g's is row g
         epoch_meta = [train_meta[i] for i in chosen]
         epoch_text = encode(pipe, epoch_prompts, device, args.max_sequence_length)
         sampling_start = clock(device)
 
-        # ALGO LOGIC: sampling. The epoch's images, shuffled alike on every rank: each
-        # rank samples its share, and a group (a prompt's images) spans ranks. The old
-        # policy samples them, deterministically; only the clean latents are kept.
-        group_ids = torch.arange(args.prompts_per_epoch)
-        group_ids = group_ids.repeat_interleave(args.group_size)
+        # ALGO LOGIC: sampling. The epoch's images, shuffled alike on every rank (a group
+        # spans ranks), sampled deterministically by the old policy; x0 alone is kept.
+        group_ids = torch.arange(args.prompts_per_epoch).repeat_interleave(args.group_size)
         group_ids = group_ids[torch.randperm(images_per_epoch, generator=prompt_gen)]
         my_groups = group_ids.view(world, num_batches, args.batch_size)[rank]
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
         transformer.eval()
-        batches = []  # (Text, clean latents (B, C, h, w)) of each micro-batch
+        batches = []  # (Text, x0 (B, C, h, w)) of each micro-batch
         futures = []  # their rewards
         progress = tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet, leave=False)
         with swapped(lora_params, old_params):
@@ -824,44 +829,37 @@ if __name__ == "__main__":
                 text = Text(epoch_text.embeds[groups], epoch_text.pooled[groups])
                 noise = torch.randn((args.batch_size, *latent_shape),
                                     generator=noise_gen, device=device)
-                latents = dpm_sample(partial(velocity, text=text), noise, sigmas)
-                x0 = latents[:, -1]
+                x0 = dpm_sample(partial(velocity, text=text), noise, sigmas)[:, -1]
                 images = decode(pipe.vae, x0).cpu()
                 prompts = [epoch_prompts[group] for group in groups]
                 meta = [epoch_meta[group] for group in groups]
                 futures.append(executor.submit(reward_fn, images, prompts, meta))
                 batches.append((text, x0))
 
-        # TRY NOT TO MODIFY: all ranks' rewards, in rank order, and the advantages
+        # TRY NOT TO MODIFY: all ranks' rewards and the advantages
         reward_start = clock(device)
         try:
             scores, infos = zip(*[future.result() for future in futures])
         except rewards.RewardError as error:
             stop(f"error: {error} at epoch {epoch}")
         info = {name: torch.cat([part[name] for part in infos]) for name in infos[0]}
-        all_rewards = torch.cat(scores).float().to(device)
-        all_rewards = all_gather_cat(all_rewards, world).cpu()  # (P*G,)
+        all_rewards = all_gather_cat(torch.cat(scores).float().to(device), world).cpu()  # (P*G,)
         all_components = {name: all_gather_cat(info[name].to(device), world).cpu()
                           for name in reward_fn.weights}
         extras = {f"reward/{name}": values.mean().item()  # e.g. pickscore_raw
                   for name, values in info.items() if name not in reward_fn.weights}
         extras = rank_mean(extras, world, device)
         if reward_fn.group_transform is not None:  # e.g. ranks within each group
-            all_rewards, all_components = reward_fn.group_transform(all_components,
-                                                                    group_ids)
+            all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
         advantages = compute_advantages(all_rewards, all_components, reward_fn.weights,
-                                        group_ids, args.advantage_aggregation,
-                                        args.per_group_std)
-        check_finite(f"epoch {epoch}", run_dir, reward=all_rewards,
-                     advantage=advantages)
+                                        group_ids, args.advantage_aggregation, args.per_group_std)
+        check_finite(f"epoch {epoch}", run_dir, reward=all_rewards, advantage=advantages)
         group_std = torch.stack([all_rewards[group_ids == group].std(unbiased=False)
                                  for group in range(args.prompts_per_epoch)])
         training_start = clock(device)
 
-        # ALGO LOGIC: training. A micro-step re-noises a micro-batch's clean latents,
-        # each at a random grid sigma with fresh noise, and backpropagates nft_loss.
-        my_advantages = advantages.to(device)
-        my_advantages = my_advantages.view(world, num_batches, args.batch_size)[rank]
+        # ALGO LOGIC: training. A micro-step re-noises x0, each sample at a random grid sigma.
+        my_advantages = advantages.view(world, num_batches, args.batch_size)[rank].to(device)
         transformer.train()
         train_gen = seeded_generator(device, args.seed, epoch, rank, 1)  # not rollouts'
         stats = defaultdict(list)  # a value per micro-step
@@ -870,8 +868,7 @@ if __name__ == "__main__":
         for (text, x0), batch_advantages in zip(progress, my_advantages):
             # Each sample's own random order of the training sigmas: (B, T).
             order = torch.rand(len(x0), len(train_sigmas), generator=train_gen,
-                               device=device)
-            order = order.argsort(dim=1)
+                               device=device).argsort(dim=1)
             for j in range(num_train_steps):
                 sigma = train_sigmas[order[:, j]]  # (B,)
                 noise = torch.randn(x0.shape, generator=train_gen, device=device)
@@ -898,21 +895,19 @@ if __name__ == "__main__":
                         optimizer, scaler, lora_params, args.max_grad_norm, world,
                         loss, f"epoch {epoch}, step {global_step}", run_dir)
                     global_step += 1
-                    # The EMA moves once per optimizer step, after a warm-up in which
-                    # it follows the weights closely.
+                    # Once per optimizer step; a warm-up keeps the EMA near the weights.
                     decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))
                     for ema, p in zip(ema_params, lora_params):
                         ema.mul_(decay).add_(p.detach(), alpha=1 - decay)
-        # The old policy moves once per epoch: old <- eta old + (1 - eta) current.
+        # The old policy moves once per epoch (old_decay).
         eta = old_decay(global_step, args.decay_type)
         for old, p in zip(old_params, lora_params):
             old.mul_(eta).add_(p.detach(), alpha=1 - eta)
 
         # ALGO LOGIC: this algorithm's metrics and its part of the summary line
-        losses = {f"losses/{name}": float(np.mean(values))
-                  for name, values in stats.items()}
+        losses = {f"losses/{name}": float(np.mean(values)) for name, values in stats.items()}
         metrics.update(rank_mean(losses, world, device))
-        # The first micro-step's is 0 while eta is 0: the old policy is the current one.
+        # 0 while eta is 0: an epoch then starts with old == current.
         metrics["losses/first_old_deviate"] = stats["old_deviate"][0]
         metrics["charts/old_decay"] = eta
         # A growing mean x0^2 is upstream's sign of a drift to bright images
@@ -926,9 +921,7 @@ if __name__ == "__main__":
         # TRY NOT TO MODIFY: shared metrics, the line, checkpoint, final eval
         epoch_end = clock(device)
         epoch_seconds = epoch_end - epoch_start
-        compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        # Peak memory: the process's (KiB on Linux) or the GPU's.
-        max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+        max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
         if device.type == "cuda":
             max_mem_gb = torch.cuda.max_memory_allocated(device) / 1e9
         metrics.update({
@@ -936,8 +929,7 @@ if __name__ == "__main__":
             "reward/mean": all_rewards.mean().item(),
             "reward/std": all_rewards.std(unbiased=False).item(),
             "reward/zero_std_group_frac": (group_std == 0).float().mean().item(),
-            **{f"reward/{name}": part.mean().item()
-               for name, part in all_components.items()},
+            **{f"reward/{name}": part.mean().item() for name, part in all_components.items()},
             **extras,
             "charts/global_step": global_step,
             "charts/learning_rate": args.learning_rate,
@@ -948,13 +940,12 @@ if __name__ == "__main__":
             "perf/sampling_seconds": reward_start - sampling_start,
             "perf/reward_seconds": training_start - reward_start,
             "perf/training_seconds": epoch_end - training_start,
-            "perf/compiled_graphs": compiled_graphs,
+            "perf/compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
             "perf/max_mem_gb": max_mem_gb})
         if rank == 0:
             line = (f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± "
                     f"{metrics['reward/std']:.4f} | {summary} | "
-                    f"{metrics['perf/images_per_sec']:.2f} img/s | "
-                    f"{epoch_seconds:.0f}s")
+                    f"{metrics['perf/images_per_sec']:.2f} img/s | {epoch_seconds:.0f}s")
             if "eval/reward_mean" in metrics:
                 line += (f" | eval {metrics['eval/reward_mean']:.4f} ± "
                          f"{metrics['eval/reward_stderr']:.4f}")
@@ -967,13 +958,19 @@ if __name__ == "__main__":
             if rank == 0:
                 save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
                                 optimizer, epoch + 1, global_step, args)
-                prune_checkpoints(run_dir, path, args.save_every,
-                                  args.checkpoints_total_limit)
+                prune_checkpoints(run_dir, path, args.save_every, args.checkpoints_total_limit)
             if world > 1:
                 dist.barrier()
             if last:  # the saved file's score, not the memory's
                 metrics.update(run_eval(epoch + 1, "eval/final_", f"{path}/ema_lora"))
                 log(metrics, epoch)
+            if rank == 0:
+                write_card(run_dir, args, images_per_epoch)
+            if rank == 0 and last and args.push_to_hub:  # the final EMA LoRA alone
+                hub = huggingface_hub.HfApi()
+                hub.create_repo(args.hub_model_id, private=args.hub_private, exist_ok=True)
+                hub.upload_folder(repo_id=args.hub_model_id, folder_path=f"{path}/ema_lora")
+                print(f"pushed to https://huggingface.co/{args.hub_model_id}")
         except (OSError, SafetensorError) as error:
             stop(f"error: {error} (saving epoch {epoch + 1})")
     executor.shutdown()
