@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, fields
 from functools import partial
 from typing import Annotated, Literal, NamedTuple
 
+import huggingface_hub
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -70,6 +71,8 @@ from sde import (dpm_step, flash_sigmas, group_advantages, sde_step, sde_window,
 #   grad_norm    the gradient norm of the last optimizer step
 #   summary      the algorithm's part of the epoch's line on stdout
 
+LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # upstream's, in every attention
+
 @dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -77,11 +80,7 @@ class Args:
     seed: int = 42
     """seed of the LoRA init, prompt draws and noise"""
     track: bool = False
-    """log to Weights & Biases too"""
-    wandb_project: str = "flowrl"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (None: your default one)"""
+    """also log to wandb (WANDB_PROJECT, WANDB_ENTITY: where)"""
     output_dir: str = "runs"
     """runs go to OUTPUT_DIR/RUN_NAME"""
     resume: str | None = None
@@ -89,7 +88,7 @@ class Args:
     eval_only: bool = False
     """evaluate --resume's EMA (its flags but those given), or the base"""
     model: str = "black-forest-labs/FLUX.1-dev"
-    """hub id or local path of a diffusers FluxPipeline"""
+    """hub id or path of a diffusers FluxPipeline"""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
     """frozen weights' dtype, with autocast (not fp16: FLUX overflows it)"""
     gradient_checkpointing: bool = True
@@ -99,9 +98,11 @@ class Args:
     full_finetune: bool = False
     """train all weights (fp32, FSDP2-sharded) as the paper, not a LoRA"""
     lora_rank: Annotated[int, ">= 1"] = 128
-    """LoRA rank on the attentions' to_q/k/v/out.0; unused by --full-finetune"""
+    """LoRA rank; unused by --full-finetune"""
     lora_alpha: Annotated[int, "> 0"] = 256
     """LoRA alpha (scale = alpha / rank); unused by --full-finetune"""
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    """layers to adapt: names or dotted ends (peft's target_modules)"""
     train_prompts: str = "prompts/train.txt"
     """a prompt per line, or JSONL: `prompt` and fields for the reward"""
     test_prompts: str = "prompts/test.txt"
@@ -109,7 +110,7 @@ class Args:
     reward: str = "hpsv2"
     """rewards.py name, weighted sum `ocr=1,pickscore=0.5`, `file.py:fn`"""
     eval_reward: str | None = None
-    """reward of eval (None: the training reward)"""
+    """eval's reward (None: --reward)"""
     resolution: Annotated[int, ">= 1"] = 720
     """image height and width in pixels"""
     eval_num_steps: Annotated[int, ">= 1"] = 28
@@ -130,6 +131,12 @@ class Args:
     """eval noise: a sample per test prompt and seed (tune on others)"""
     checkpoints_total_limit: Annotated[int | None, ">= 1"] = None
     """keep the newest N of the --save-every grid (None: all)"""
+    push_to_hub: bool = False
+    """upload the final ema_lora/ and its card to the Hub"""
+    hub_model_id: str | None = None
+    """its Hub repository (None: YOUR_HUB_NAME/EXP_NAME)"""
+    hub_private: bool = False
+    """make that repository private"""
     # Algorithm-specific arguments (defaults: upstream's LoRA recipe)
     max_sequence_length: Annotated[int, ">= 1"] = 512
     """T5 tokens per prompt"""
@@ -175,8 +182,7 @@ class Args:
     """keep every N-th epoch's save (a LoRA's: each; --full-finetune: these)"""
 
 # TRY NOT TO MODIFY: upstream's LoRA layers, what --resume must match, ranges
-LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
-STATE_FLAGS = ["model", "lora_rank", "lora_alpha"]  # --resume refuses other values
+STATE_FLAGS = ["model", "lora_rank", "lora_alpha", "lora_targets"]
 RANGES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: x >= 2,
           "> 0": lambda x: x > 0, "in [0, 1)": lambda x: 0 <= x < 1,
           "in (0, 1]": lambda x: 0 < x <= 1, "in [0, 1]": lambda x: 0 <= x <= 1}
@@ -186,7 +192,6 @@ STEP_STREAM = 1  # a seed key: the steps each sample trains
 GROUP_NOISE_STREAM = 2  # a seed key: a group's initial latent
 
 def dance_sigmas(num_steps: int, shift: float) -> torch.Tensor:
-    """(num_steps + 1,) sigmas, 1 to 0: a uniform grid, time-shifted."""
     return shift_sigmas(torch.linspace(1, 0, num_steps + 1), shift)
 
 class Rollout(NamedTuple):
@@ -199,15 +204,15 @@ class Rollout(NamedTuple):
 @torch.no_grad()
 def rollout(velocity, noise, sigmas, window, noise_level, generator,
             dpm_from=None) -> Rollout:
-    """Sigma 1 to 0 in fp32: the dance SDE on steps in [window[0], window[1]),
-    Euler elsewhere, DPM-Solver++(2M) from dpm_from on."""
+    """The dance SDE on the window's steps, Euler elsewhere, DPM-Solver++(2M) from dpm_from."""
     start, end = window
     x = noise.float()
-    kept = defaultdict(list)
+    latents = []
+    log_probs = []
     x0_hat = None
     for i in range(len(sigmas) - 1):
         if i == start:
-            kept["latents"].append(x)
+            latents.append(x)
         v = velocity(x, sigmas[i])
         if dpm_from is not None and i >= dpm_from:  # history: the last x0_hat
             x, x0_hat = dpm_step(v, x, sigmas, i, x0_hat)
@@ -217,12 +222,11 @@ def rollout(velocity, noise, sigmas, window, noise_level, generator,
         x, log_prob, _, _ = sde_step(v, x, sigmas[i], sigmas[i + 1], kind,
                                      noise_level, generator=generator)
         if kind == "dance":
-            kept["latents"].append(x)
-            kept["log_probs"].append(log_prob)
+            latents.append(x)
+            log_probs.append(log_prob)
     if start == end:  # MixGRPO's empty window: nothing to train
         return Rollout(start, None, None, x0_hat)
-    latents = torch.stack(kept["latents"], 1)
-    return Rollout(start, latents, torch.stack(kept["log_probs"], 1), x0_hat)
+    return Rollout(start, torch.stack(latents, 1), torch.stack(log_probs, 1), x0_hat)
 
 def select_train_steps(batch: int, num_steps: int, fraction: float, generator):
     """(batch, K): each sample's K random steps, never the last (as upstream)."""
@@ -258,7 +262,6 @@ def say(message: str):
         print(message, flush=True)
 
 def check_ranges(args):
-    """Every number flag is finite and >= 0, or in its annotated range."""
     for field in fields(args):
         value = getattr(args, field.name)
         allowed = getattr(field.type, "__metadata__", [">= 0"])[0]
@@ -288,11 +291,11 @@ def check_args(args) -> dict | None:
             fail(f"--resume {args.resume!r}: {state}")
     if args.resume:
         say(f"resuming from {args.resume}")
-    if args.resume and args.eval_only:  # the checkpoint's flags, but those given
+    if args.resume and args.eval_only:
         given = {word[2:].split("=")[0].removeprefix("no-").replace("-", "_")
                  for word in sys.argv[1:] if word.startswith("--")}
         for name, value in state["args"].items():
-            if name not in given | {"resume", "eval_only"}:
+            if name not in given | {"resume", "eval_only", "push_to_hub"}:
                 setattr(args, name, value)
     check_ranges(args)
     if args.mixed_precision == "fp16":
@@ -302,7 +305,7 @@ def check_args(args) -> dict | None:
         tempfile.TemporaryFile(dir=args.output_dir).close()
     except OSError as error:
         fail(f"--output-dir {args.output_dir!r}: {error.strerror}")
-    try:  # configs only: the resolution's factor, before the weights
+    try:  # configs only, before the weights
         vae = AutoencoderKL.load_config(args.model, subfolder="vae")
         dit = FluxTransformer2DModel.load_config(args.model, subfolder="transformer")
     except Exception as error:
@@ -312,17 +315,30 @@ def check_args(args) -> dict | None:
     if args.resolution % factor:
         fail(f"--resolution {args.resolution} is not a positive multiple of {factor} "
              "(VAE downsampling x 2x2 packing)")
+    with torch.device("meta"):  # the layers' names, not their weights
+        names = [f".{name}" for name, _ in FluxTransformer2DModel.from_config(dit).named_modules()]
+    for target in args.lora_targets:  # matched as peft does
+        if not any(name.endswith(f".{target}") for name in names):
+            fail(f"--lora-targets {target} names no layer of {args.model}")
     if args.track and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
         import wandb
         if not wandb.login(prompt=False):
             fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), "
                  "or WANDB_MODE=offline")
+    if args.push_to_hub and args.full_finetune:
+        fail("--push-to-hub uploads a LoRA (a full fine-tune's transformer/: hf upload it)")
+    if args.push_to_hub:  # found now, not after training
+        try:
+            user = huggingface_hub.whoami()["name"]
+        except Exception as error:  # no token, offline, no answer
+            fail(f"--push-to-hub needs a Hub login (hf auth login): {type(error).__name__}")
+        args.hub_model_id = args.hub_model_id or f"{user}/{args.exp_name}"
     if not args.resume:
         return None
     if os.path.isdir(os.path.join(args.resume, "dcp")) != args.full_finetune:
         fail(f"--resume {args.resume!r} needs the --full-finetune it was saved with")
     script = os.path.basename(__file__)
-    if state.get("script") != script:  # e.g. a GRPO run's, in DanceGRPO
+    if state.get("script") != script:
         fail(f"--resume {args.resume!r} is not a checkpoint of {script}")
     for name in STATE_FLAGS:
         if state["args"][name] != getattr(args, name):
@@ -346,7 +362,6 @@ def load_state(save: str) -> dict | str:
     return torch.load(io.BytesIO(data), map_location="cpu")
 
 def load_prompts(path: str) -> tuple[list[str], list[dict]]:
-    """A prompt per line, or JSONL with a `prompt`: prompts and metadata."""
     if not os.path.isfile(path):
         fail(f"prompt file {path!r} does not exist (docs/usage.md: prompt sets)")
     with open(path, encoding="utf-8-sig") as file:  # a BOM is no part of a prompt
@@ -362,7 +377,7 @@ def load_prompts(path: str) -> tuple[list[str], list[dict]]:
         fail(f"every line of {path!r} must be a JSON object with a 'prompt' ({error!r})")
 
 def all_gather_cat(tensor: torch.Tensor, world: int) -> torch.Tensor:
-    """Concatenate an equally shaped tensor from every rank, in rank order."""
+    """Every rank's equally shaped tensor, concatenated in rank order."""
     if world == 1:
         return tensor
     gathered = [torch.empty_like(tensor) for _ in range(world)]
@@ -496,6 +511,42 @@ def prune_checkpoints(run_dir: str, current: str, save_every: int, limit: int | 
     for save in set(saves) - kept:
         shutil.rmtree(save)
 
+def write_card(run_dir: str, args, images_per_epoch: int):
+    """The Hub's model card (README.md) and eval sheet in each evaluated checkpoint."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as file:
+        evals = [(row[key + "sheet"], row[key + "reward_mean"]) for row in map(json.loads, file)
+                 for key in ["eval/", "eval/final_"] if key + "sheet" in row]
+    evals = [(sheet, math.nan if x is None else x) for sheet, x in evals]  # null: NaN
+    name = os.path.basename(__file__)
+    about = " ".join(__doc__[: __doc__.index("Docs:")].split())
+    flags = ", ".join(f"`--{flag.replace('_', '-')} {value}`" for flag, value in vars(args).items())
+    for sheet, reward in evals:
+        epochs = int(sheet[5:10])  # eval_00060.png
+        save = os.path.join(run_dir, "checkpoints", f"epoch_{epochs:05d}")
+        if not os.path.isdir(save):  # the base model's, or pruned
+            continue
+        card = f"""---
+base_model: {args.model}
+library_name: diffusers
+license: other
+tags: [diffusers, lora, text-to-image, {name[:-3]}]
+---
+# {name}: a LoRA of {args.model} (its licence applies)
+{about}. Eval reward `{args.eval_reward or args.reward}` of `ema_lora/` (the EMA of
+`lora/`): {evals[0][1]:.4f} before, {reward:.4f} after {epochs} epochs
+({epochs * images_per_epoch:,} images); a row per test prompt:
+![eval sheet](eval_sheet.png)
+```python
+pipe = DiffusionPipeline.from_pretrained("{args.model}")
+pipe.load_lora_weights("{args.hub_model_id or save + '/ema_lora'}")
+```
+Flags: {flags}
+"""
+        for folder in [f"{save}/lora", f"{save}/ema_lora"]:
+            with open(f"{folder}/README.md", "w") as file:
+                file.write(card)
+            shutil.copy(os.path.join(run_dir, sheet), f"{folder}/eval_sheet.png")
+
 def last_checkpoint(run_dir: str) -> str:
     saves = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
     return saves[-1] if saves else "none saved yet"
@@ -515,8 +566,7 @@ def swapped(params, copies):
         swap()
 
 def prepare_run_dir(run_dir: str, start_epoch: int):
-    """Go on at start_epoch: drop crashed saves and the epochs it redoes (checkpoints,
-    metrics); metrics.jsonl is rewritten whole, minus a cut-off line."""
+    """Drop crashed saves, and the saves and metrics lines after start_epoch."""
     folder = os.path.join(run_dir, "checkpoints")
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
         if name[0] == "." or int(name[-5:]) > start_epoch:  # hidden: a crashed save
@@ -555,7 +605,6 @@ def clock(device) -> float:
     return time.perf_counter()
 
 def check_finite(where: str, run_dir: str, **values):
-    """Stop, naming the first non-finite value and the last checkpoint."""
     for name, value in values.items():
         if not torch.isfinite(torch.as_tensor(value)).all():
             fail(f"non-finite {name} at {where}; stopping. Last checkpoint: "
@@ -565,9 +614,7 @@ if __name__ == "__main__":
     # TRY NOT TO MODIFY: input checks and rewards, before the model loads
     args = tyro.cli(Args, description=__doc__.split("\n\n")[0])
     state = check_args(args)
-    train_prompts, train_meta = [], []  # --eval-only trains on none
-    if not args.eval_only:
-        train_prompts, train_meta = load_prompts(args.train_prompts)
+    train_prompts, train_meta = ([], []) if args.eval_only else load_prompts(args.train_prompts)
     test_prompts, test_meta = load_prompts(args.test_prompts)
     rank = int(os.environ.get("RANK", 0))  # torchrun's
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -576,9 +623,9 @@ if __name__ == "__main__":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
         torch.backends.cuda.enable_cudnn_sdp(False)  # backward: NaN, crash (torch 2.11)
-    if "RANK" in os.environ:  # set by torchrun
+    if "RANK" in os.environ:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    quiet = rank != 0 or not sys.stderr.isatty()  # bars on rank 0's terminal
+    quiet = rank != 0 or not sys.stderr.isatty()
     if quiet:  # the model-loading bars too
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
@@ -601,7 +648,7 @@ if __name__ == "__main__":
         fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split "
              f"into {world} GPUs x --batch-size {args.batch_size}")
     num_batches = images_per_epoch // world // args.batch_size  # per rank
-    run_dir = None  # a new run's is made once the model has loaded
+    run_dir = None
     parent = os.path.dirname(os.path.abspath(args.resume or "."))
     if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
         run_dir = os.path.dirname(parent)  # a resume goes on in its run
@@ -641,7 +688,7 @@ if __name__ == "__main__":
         shard_for_full_finetune(transformer)
     else:  # peft's default init (Kaiming-uniform A), as upstream
         lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
-                          init_lora_weights=True, target_modules=LORA_TARGETS)
+                          init_lora_weights=True, target_modules=list(args.lora_targets))
         transformer.add_adapter(lora)
     params = [p for p in transformer.parameters() if p.requires_grad]
     for p in params:
@@ -696,9 +743,7 @@ if __name__ == "__main__":
         prepare_run_dir(run_dir, start_epoch)
     if args.track and rank == 0:
         import wandb
-        wandb.init(project=args.wandb_project, entity=args.wandb_entity,
-                   name=os.path.basename(run_dir), config=vars(args), save_code=True,
-                   dir=run_dir)
+        wandb.init(name=os.path.basename(run_dir), config=vars(args), save_code=True, dir=run_dir)
 
     def stop(reason: str, code: int = 1):
         """End at once, queued rewards dropped: the run is in its checkpoints."""
@@ -725,8 +770,7 @@ if __name__ == "__main__":
 
     @torch.no_grad()
     def run_eval(epoch: int, prefix: str = "eval/", saved: str | None = None) -> dict:
-        """Score ODE samples of the EMA (EMA 0: the weights) or of the LoRA folder `saved`,
-        loaded as users do: a sample per test prompt i and eval seed s, noise (s, i)."""
+        """Score ODE samples of the EMA or LoRA folder `saved`: test prompt i, seed s."""
         if saved and not args.full_finetune:  # FSDP2's: in memory
             with warnings.catch_warnings(action="ignore"):
                 pipe.load_lora_weights(saved, adapter_name="saved")
@@ -734,7 +778,6 @@ if __name__ == "__main__":
         by_prompt = {}  # test prompt -> its items
         for item in items:
             by_prompt.setdefault(test_prompts[item[0]], []).append(item)
-        # The contact sheet: the first 4 samples of the first 4 test prompts
         shown = [item for row in list(by_prompt.values())[:4] for item in row[:4]]
         results = {}  # item -> its scores, 32x32 thumbnail, image if shown
         mine = items[rank::world]
@@ -763,8 +806,7 @@ if __name__ == "__main__":
             except rewards.RewardError as error:
                 stop(f"error: {error} in the eval after {epoch} epochs")
             columns = {"reward_mean": batch_scores, **drift, **info}
-            pixels = images.permute(0, 2, 3, 1).cpu().numpy() * 255
-            pixels = pixels.round().astype(np.uint8)
+            pixels = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
             small = torch.nn.functional.interpolate(images, size=32, mode="area")
             for j, item in enumerate(batch):
                 row = {name: float(values[j]) for name, values in columns.items()}
@@ -784,7 +826,7 @@ if __name__ == "__main__":
                      for group in groups if len(group) > 1]
         if distances:  # RMS pixel distance of two samples of one prompt
             means["diversity"] = float(torch.stack(distances).mean())
-        if rank == 0:  # a row per test prompt, labelled with its mean reward
+        if rank == 0:  # a row per prompt, labelled with its mean reward
             labelled = []
             for text, row in by_prompt.items():
                 reward = np.mean([results[item][0]["reward_mean"] for item in row])
@@ -807,24 +849,19 @@ if __name__ == "__main__":
         epoch_start = clock(device)
         metrics = run_eval(epoch) if epoch % args.eval_every == 0 else {}
         text_start = clock(device)
-        # The same prompts on every rank: distinct, if the file has enough.
-        prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
+        prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)  # alike on all ranks
         num_prompts = len(train_prompts)
         if num_prompts >= args.prompts_per_epoch:
-            chosen = torch.randperm(num_prompts, generator=prompt_gen)
-            chosen = chosen[: args.prompts_per_epoch]
+            chosen = torch.randperm(num_prompts, generator=prompt_gen)[: args.prompts_per_epoch]
         else:
-            chosen = torch.randint(num_prompts, (args.prompts_per_epoch,),
-                                   generator=prompt_gen)
+            chosen = torch.randint(num_prompts, (args.prompts_per_epoch,), generator=prompt_gen)
         epoch_prompts = [train_prompts[i] for i in chosen]  # group g's is row g
         epoch_meta = [train_meta[i] for i in chosen]
         epoch_text = encode(pipe, epoch_prompts, device, args.max_sequence_length)
         sampling_start = clock(device)
 
         # ALGO LOGIC: sampling; images shuffled alike on all ranks (groups span them)
-        group_ids = torch.arange(args.prompts_per_epoch)
-        group_ids = group_ids.repeat_interleave(args.group_size)
-        group_ids = group_ids[torch.randperm(images_per_epoch, generator=prompt_gen)]
+        group_ids = torch.randperm(images_per_epoch, generator=prompt_gen) // args.group_size
         my_groups = group_ids.view(world, num_batches, args.batch_size)[rank]
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
         batches = []  # (Text, Rollout) of each micro-batch
@@ -856,27 +893,24 @@ if __name__ == "__main__":
             futures.append(executor.submit(reward_fn, images, prompts, meta))
             batches.append((text, out))
 
-        # TRY NOT TO MODIFY: all ranks' rewards, in rank order, and the advantages
+        # TRY NOT TO MODIFY: all ranks' rewards and the advantages
         reward_start = clock(device)
         try:
             scores, infos = zip(*[future.result() for future in futures])
         except rewards.RewardError as error:
             stop(f"error: {error} at epoch {epoch}")
         info = {name: torch.cat([part[name] for part in infos]) for name in infos[0]}
-        all_rewards = torch.cat(scores).float().to(device)
-        all_rewards = all_gather_cat(all_rewards, world).cpu()  # (P*G,)
+        all_rewards = all_gather_cat(torch.cat(scores).float().to(device), world).cpu()  # (P*G,)
         all_components = {name: all_gather_cat(info[name].to(device), world).cpu()
                           for name in reward_fn.weights}
         extras = {f"reward/{name}": values.mean().item()  # e.g. pickscore_raw
                   for name, values in info.items() if name not in reward_fn.weights}
         extras = rank_mean(extras, world, device)
         if reward_fn.group_transform is not None:  # e.g. ranks within each group
-            all_rewards, all_components = reward_fn.group_transform(all_components,
-                                                                    group_ids)
+            all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
         advantages = group_advantages(all_rewards, group_ids, per_group_std=True,
                                       eps=1e-8, ddof=1)  # upstream's
-        check_finite(f"epoch {epoch}", run_dir, reward=all_rewards,
-                     advantage=advantages)
+        check_finite(f"epoch {epoch}", run_dir, reward=all_rewards, advantage=advantages)
         group_std = torch.stack([all_rewards[group_ids == group].std(unbiased=False)
                                  for group in range(args.prompts_per_epoch)])
         training_start = clock(device)
@@ -884,30 +918,25 @@ if __name__ == "__main__":
         # ALGO LOGIC: training: re-score stored steps (loss scale: the window's)
         k = window[1] - window[0] if window_size else num_train_steps
         accum_steps = num_batches // args.updates_per_epoch * k
-        my_advantages = advantages.to(device)
-        my_advantages = my_advantages.view(world, num_batches, args.batch_size)[rank]
-        step_gen = seeded_generator(torch.device("cpu"), args.seed, epoch, rank,
-                                    STEP_STREAM)
-        stats = defaultdict(list)  # a value per micro-step
+        my_advantages = advantages.to(device).view(world, num_batches, args.batch_size)[rank]
+        step_gen = seeded_generator(torch.device("cpu"), args.seed, epoch, rank, STEP_STREAM)
+        stats = defaultdict(list)
         on_policy_dev = float("nan")
         micro_step = 0
         rows = torch.arange(args.batch_size, device=device)
         progress = tqdm(batches, f"epoch {epoch} training", disable=quiet, leave=False)
         for (text, out), batch_advantages in zip(progress, my_advantages):
             steps = torch.arange(k).expand(args.batch_size, -1)  # (B, K): the window
-            if window_size == 0:
+            if not window_size:
                 steps = select_train_steps(args.batch_size, args.num_steps,
                                            args.timestep_fraction, step_gen)
-            steps = steps.to(device)
-            for j in range(k):
-                step = steps[:, j]  # (B,): a step per sample
+            for step in steps.to(device).T:  # (B,): a step per sample
                 sigma = sigmas[out.start:][step]
                 sigma_next = sigmas[out.start:][step + 1]
                 x = out.latents[rows, step]
-                x_next = out.latents[rows, step + 1]  # the rollout's draw
                 v = velocity(x, sigma, text)
-                _, log_prob, _, _ = sde_step(v, x, sigma, sigma_next, "dance",
-                                             args.noise_level, prev_sample=x_next)
+                _, log_prob, _, _ = sde_step(v, x, sigma, sigma_next, "dance", args.noise_level,
+                                             prev_sample=out.latents[rows, step + 1])
                 loss, ratio, step_stats = grpo_loss(
                     log_prob=log_prob, old_log_prob=out.log_probs[rows, step],
                     advantages=batch_advantages, clip_range=args.clip_range,
@@ -944,8 +973,7 @@ if __name__ == "__main__":
         # TRY NOT TO MODIFY: shared metrics, the line, checkpoint, final eval
         epoch_end = clock(device)
         epoch_seconds = epoch_end - epoch_start
-        compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB
+        max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
         if device.type == "cuda":
             max_mem_gb = torch.cuda.max_memory_allocated(device) / 1e9
         metrics.update({
@@ -953,8 +981,7 @@ if __name__ == "__main__":
             "reward/mean": all_rewards.mean().item(),
             "reward/std": all_rewards.std(unbiased=False).item(),
             "reward/zero_std_group_frac": (group_std == 0).float().mean().item(),
-            **{f"reward/{name}": part.mean().item()
-               for name, part in all_components.items()},
+            **{f"reward/{name}": part.mean().item() for name, part in all_components.items()},
             **extras,
             "charts/global_step": global_step,
             "charts/learning_rate": args.learning_rate,
@@ -965,13 +992,12 @@ if __name__ == "__main__":
             "perf/sampling_seconds": reward_start - sampling_start,
             "perf/reward_seconds": training_start - reward_start,
             "perf/training_seconds": epoch_end - training_start,
-            "perf/compiled_graphs": compiled_graphs,
+            "perf/compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
             "perf/max_mem_gb": max_mem_gb})
         if rank == 0:
             line = (f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± "
                     f"{metrics['reward/std']:.4f} | {summary} | "
-                    f"{metrics['perf/images_per_sec']:.2f} img/s | "
-                    f"{epoch_seconds:.0f}s")
+                    f"{metrics['perf/images_per_sec']:.2f} img/s | {epoch_seconds:.0f}s")
             if "eval/reward_mean" in metrics:
                 line += (f" | eval {metrics['eval/reward_mean']:.4f} ± "
                          f"{metrics['eval/reward_stderr']:.4f}")
@@ -986,13 +1012,19 @@ if __name__ == "__main__":
                 save_checkpoint(path, transformer, params, ema_params, optimizer,
                                 epoch + 1, global_step, args, rank)
                 if rank == 0:
-                    prune_checkpoints(run_dir, path, args.save_every,
-                                      args.checkpoints_total_limit)
+                    prune_checkpoints(run_dir, path, args.save_every, args.checkpoints_total_limit)
             if world > 1:
                 dist.barrier()
             if last:  # the saved file's score, not the memory's
                 metrics.update(run_eval(epoch + 1, "eval/final_", f"{path}/ema_lora"))
                 log(metrics, epoch)
+            if rank == 0 and not args.full_finetune:  # a LoRA's card
+                write_card(run_dir, args, images_per_epoch)
+            if rank == 0 and last and args.push_to_hub:  # the final EMA LoRA alone
+                hub = huggingface_hub.HfApi()
+                hub.create_repo(args.hub_model_id, private=args.hub_private, exist_ok=True)
+                hub.upload_folder(repo_id=args.hub_model_id, folder_path=f"{path}/ema_lora")
+                print(f"pushed to https://huggingface.co/{args.hub_model_id}")
         except (OSError, SafetensorError) as error:
             stop(f"error: {error} (saving epoch {epoch + 1})")
     executor.shutdown()
