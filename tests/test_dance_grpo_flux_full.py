@@ -141,6 +141,7 @@ def test_one_process_full_finetune(full_run, base_weights, tiny_flux):
     state = torch.load(ckpt / "state.pt")
     assert state["kind"] == "full_finetune" and state["next_epoch"] == 2
     assert (ckpt / "dcp" / ".metadata").is_file() and not (ckpt / "lora").exists()
+    assert not list(run_dir.glob("checkpoints/*/*/README.md"))  # model cards are a LoRA's
     # checked on resume: state.pt by its checksum (written last), the shards by their load
     digest = hashlib.sha256((ckpt / "state.pt").read_bytes()).hexdigest()
     assert (ckpt / "state.pt.sha256").read_text() == digest
@@ -209,8 +210,10 @@ def test_two_process_full_finetune_shards_and_exports(tiny_flux, tmp_path, base_
 
 def test_full_finetune_bad_input(tiny_flux, tmp_path, full_run):
     """(fp16, refused for FLUX in every mode: test_dance_grpo_flux.py's bad-input cases.)
-    --lora-rank and --lora-alpha are no error: a full fine-tune does not use them."""
+    --lora-rank and --lora-alpha are no error: a full fine-tune does not use them;
+    --push-to-hub is (it uploads a LoRA's folder)."""
     base = flags(tiny_flux, tmp_path / "out")
+    assert_bad_input(SCRIPT, base + ["--push-to-hub"], "--push-to-hub uploads a LoRA")
     with pytest.raises(ModelLoaded):
         assert_bad_input(SCRIPT, base + ["--lora-rank", "8", "--lora-alpha", "8"], "never reached")
     full_checkpoint = str(full_run[0] / "checkpoints" / "epoch_00002")
