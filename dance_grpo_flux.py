@@ -44,34 +44,29 @@ import torch
 import torch.distributed as dist
 import transformers
 import tyro
-# Without torchvision, transformers warns that it uses PIL image processors: we do.
-logging.getLogger("transformers.utils.import_utils").addFilter(
+logging.getLogger("transformers.utils.import_utils").addFilter(  # we use PIL, not torchvision
     lambda record: "requires torchvision" not in record.getMessage())
 import diffusers  # noqa: E402 (after the filter)
 from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
-from huggingface_hub import save_torch_state_dict
-from peft import LoraConfig
-from peft.utils import get_peft_model_state_dict
+import peft
 from PIL import Image, ImageDraw, ImageFont
 from safetensors import SafetensorError
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.checkpoint import state_dict as dcp_state
 from torch.distributed.fsdp import fully_shard
 from tqdm import tqdm
 
 import rewards
-from sde import (dpm_step, flash_sigmas, group_advantages, sde_step, sde_window,
-                 shift_sigmas)
+from sde import dpm_step, flash_sigmas, group_advantages, sde_step, sde_window, shift_sigmas
 
 # ALGO LOGIC: what a researcher changes. TRY NOT TO MODIFY: plumbing; it
 # reads five names that ALGO LOGIC sets:
 #   eval_sigmas  the sigma grid of eval's ODE sampler
 #   group_ids    (P*G,) the group (prompt) of each of the epoch's images
-#   futures      this rank's micro-batches' rewards, as futures
+#   futures      this rank's micro-batches' rewards
 #   grad_norm    the gradient norm of the last optimizer step
 #   summary      the algorithm's part of the epoch's line on stdout
 
-LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # upstream's, in every attention
+LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # in every attention
 
 @dataclass
 class Args:
@@ -90,17 +85,17 @@ class Args:
     model: str = "black-forest-labs/FLUX.1-dev"
     """hub id or path of a diffusers FluxPipeline"""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
-    """frozen weights' dtype, with autocast (not fp16: FLUX overflows it)"""
+    """frozen weights' dtype, with autocast (FLUX overflows fp16)"""
     gradient_checkpointing: bool = True
     """recompute activations in backward (FLUX is 12B)"""
     compile: bool = torch.cuda.is_available()
     """torch.compile each transformer block (~2x faster; on with CUDA)"""
     full_finetune: bool = False
-    """train all weights (fp32, FSDP2-sharded) as the paper, not a LoRA"""
+    """train all weights (fp32, FSDP2-sharded), as the paper"""
     lora_rank: Annotated[int, ">= 1"] = 128
-    """LoRA rank; unused by --full-finetune"""
+    """LoRA rank"""
     lora_alpha: Annotated[int, "> 0"] = 256
-    """LoRA alpha (scale = alpha / rank); unused by --full-finetune"""
+    """LoRA alpha (scale = alpha / rank)"""
     lora_targets: tuple[str, ...] = LORA_TARGETS
     """layers to adapt: names or dotted ends (peft's target_modules)"""
     train_prompts: str = "prompts/train.txt"
@@ -137,7 +132,7 @@ class Args:
     """its Hub repository (None: YOUR_HUB_NAME/EXP_NAME)"""
     hub_private: bool = False
     """make that repository private"""
-    # Algorithm-specific arguments (defaults: upstream's LoRA recipe)
+    # Algorithm-specific arguments
     max_sequence_length: Annotated[int, ">= 1"] = 512
     """T5 tokens per prompt"""
     num_steps: Annotated[int, ">= 1"] = 12
@@ -179,9 +174,9 @@ class Args:
     eval_every: Annotated[int, ">= 1"] = 50
     """evaluate every N epochs (and after the last)"""
     save_every: Annotated[int, ">= 1"] = 50
-    """keep every N-th epoch's save (a LoRA's: each; --full-finetune: these)"""
+    """keep every N-th epoch's save (--full-finetune saves only these)"""
 
-# TRY NOT TO MODIFY: upstream's LoRA layers, what --resume must match, ranges
+# TRY NOT TO MODIFY: what --resume must match, ranges
 STATE_FLAGS = ["model", "lora_rank", "lora_alpha", "lora_targets"]
 RANGES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: x >= 2,
           "> 0": lambda x: x > 0, "in [0, 1)": lambda x: 0 <= x < 1,
@@ -195,11 +190,10 @@ def dance_sigmas(num_steps: int, shift: float) -> torch.Tensor:
     return shift_sigmas(torch.linspace(1, 0, num_steps + 1), shift)
 
 class Rollout(NamedTuple):
-    """A micro-batch's rollout, kept for training. K: the window's steps."""
     start: int  # the window's first step
-    latents: torch.Tensor  # (B, K+1, L, 4C): x at its steps and after (K 0: None)
+    latents: torch.Tensor  # (B, K+1, L, 4C): x at the window's K steps and after (K 0: None)
     log_probs: torch.Tensor  # (B, K): log-probs, means over elements (sde.py)
-    sample: torch.Tensor  # (B, L, 4C): the last step's x0_hat (scored)
+    sample: torch.Tensor  # (B, L, 4C): the last step's x0_hat, scored as upstream
 
 @torch.no_grad()
 def rollout(velocity, noise, sigmas, window, noise_level, generator,
@@ -217,7 +211,7 @@ def rollout(velocity, noise, sigmas, window, noise_level, generator,
         if dpm_from is not None and i >= dpm_from:  # history: the last x0_hat
             x, x0_hat = dpm_step(v, x, sigmas, i, x0_hat)
             continue
-        x0_hat = x - sigmas[i] * v  # upstream scores the last step's
+        x0_hat = x - sigmas[i] * v
         kind = "dance" if start <= i < end else "ode"
         x, log_prob, _, _ = sde_step(v, x, sigmas[i], sigmas[i + 1], kind,
                                      noise_level, generator=generator)
@@ -236,7 +230,6 @@ def select_train_steps(batch: int, num_steps: int, fraction: float, generator):
 
 def grpo_loss(*, log_prob, old_log_prob, advantages, clip_range, adv_clip,
               accum_steps):
-    """A step's PPO-clip loss: (loss / accum_steps, ratio, {statistic: float})."""
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
     advantages = advantages.clamp(-adv_clip, adv_clip)
@@ -247,7 +240,7 @@ def grpo_loss(*, log_prob, old_log_prob, advantages, clip_range, adv_clip,
              "clipfrac": ((ratio - 1).abs() > clip_range).float().mean().item()}
     return policy_loss / accum_steps, ratio, stats
 
-# TRY NOT TO MODIFY: helpers, the SD3.5 scripts' where FLUX needs no other
+# TRY NOT TO MODIFY: the shared helpers
 class Text(NamedTuple):
     """Encoded prompts: T5 tokens (B, L, 4096), pooled CLIP-L (B, 768)."""
     embeds: torch.Tensor
@@ -273,7 +266,6 @@ def check_ranges(args):
                 fail(f"{flag} must be {allowed}, got {value}")
 
 def check_args(args) -> dict | None:
-    """Checks that need no weights; the checkpoint's state if resuming."""
     state = None
     if args.resume == "latest":  # torchrun --max-restarts: start or go on
         runs = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__*")
@@ -397,21 +389,18 @@ def encode(pipe, prompts: list[str], device, max_sequence_length: int) -> Text:
 
 def image_ids(height: int, width: int, device) -> torch.Tensor:
     """(height * width, 3): RoPE positions (0, row, col) of packed tokens."""
-    dtype = torch.float32
-    return FluxPipeline._prepare_latent_image_ids(1, height, width, device, dtype)
+    return FluxPipeline._prepare_latent_image_ids(1, height, width, device, torch.float32)
 
 def predict_velocity(transformer, x, sigma, text: Text, img_ids,
                      guidance_scale: float) -> torch.Tensor:
-    """Velocity of packed latents x (B, L, 4C) at sigma (floored to 1/1000)."""
     sigma = torch.as_tensor(sigma, device=x.device, dtype=torch.float32)
-    timestep = torch.floor(sigma.expand(x.shape[0]) * 1000) / 1000
+    timestep = torch.floor(sigma.expand(len(x)) * 1000) / 1000
     guidance = None
     if transformer.config.guidance_embeds:
         guidance = torch.full_like(timestep, guidance_scale)
-    txt_ids = x.new_zeros(text.embeds.shape[1], 3)  # all at 0
-    return transformer(hidden_states=x, timestep=timestep, guidance=guidance,
+    return transformer(hidden_states=x, timestep=timestep, guidance=guidance, img_ids=img_ids,
                        encoder_hidden_states=text.embeds, pooled_projections=text.pooled,
-                       txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0].float()
+                       txt_ids=x.new_zeros(text.embeds.shape[1], 3), return_dict=False)[0].float()
 
 @torch.no_grad()
 def ode_sample(velocity, noise, sigmas) -> torch.Tensor:
@@ -424,7 +413,6 @@ def ode_sample(velocity, noise, sigmas) -> torch.Tensor:
 
 @torch.no_grad()
 def decode(pipe, latents, resolution: int) -> torch.Tensor:
-    """Packed latents -> images (B, 3, H, W) in [0, 1], decoded in fp32."""
     vae = pipe.vae
     scale = pipe.vae_scale_factor
     latents = pipe._unpack_latents(latents, resolution, resolution, scale)
@@ -432,19 +420,15 @@ def decode(pipe, latents, resolution: int) -> torch.Tensor:
     return (vae.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
 
 def shard_for_full_finetune(transformer):
-    """fp32, trainable, then FSDP2-sharded: each FLUX block, then the root."""
     transformer.float().requires_grad_(True)
     if not dist.is_initialized():  # one process: a group of one rank
         dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)
-    for block in [*transformer.transformer_blocks,
-                  *transformer.single_transformer_blocks]:
+    for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
         fully_shard(block)
     fully_shard(transformer)
 
-def optimizer_step(optimizer, params, max_grad_norm, world, loss, where, run_dir,
-                   sharded):
-    """All-reduce (unless FSDP2 did), clip, check, step: the gradient norm."""
-    if world > 1 and not sharded:
+def optimizer_step(optimizer, params, max_grad_norm, world, loss, where, run_dir, sharded):
+    if world > 1 and not sharded:  # FSDP2 reduces its own
         flat = torch.nn.utils.parameters_to_vector(p.grad for p in params)
         dist.all_reduce(flat)
         torch.nn.utils.vector_to_parameters(flat / world, [p.grad for p in params])
@@ -455,42 +439,39 @@ def optimizer_step(optimizer, params, max_grad_norm, world, loss, where, run_dir
     return grad_norm
 
 def sharded_state(transformer, optimizer, ema_params) -> dict:
-    """torch.distributed.checkpoint's state: this rank's shards."""
-    model, optim = get_state_dict(transformer, optimizer)
+    model, optim = dcp_state.get_state_dict(transformer, optimizer)
     return {"model": model, "optimizer": optim, "ema": dict(zip(model, ema_params))}
 
 def save_checkpoint(path, transformer, params, ema_params, optimizer, next_epoch,
                     global_step, args, rank: int):
-    """On every rank, to a hidden directory, then renamed. LoRA: `(ema_)lora/`;
-    full: `dcp/`, at the end diffusers `(ema_)transformer/`; state.pt, sha256 last."""
+    """(ema_)lora/, or dcp/ and at the end (ema_)transformer/; state.pt, its checksum last."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     state = {"next_epoch": next_epoch, "global_step": global_step, "args": asdict(args),
              "script": os.path.basename(__file__)}
     if args.full_finetune:
         dist.checkpoint.save(sharded_state(transformer, optimizer, ema_params),
                              checkpoint_id=f"{tmp}/dcp")
-        exports = {"transformer": []} if next_epoch == args.epochs else {}
-        if exports and args.ema_decay:
-            exports["ema_transformer"] = ema_params
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        for name, copies in exports.items():
+        folders = {f"{tmp}/transformer": []} if next_epoch == args.epochs else {}
+        if folders and args.ema_decay:
+            folders[f"{tmp}/ema_transformer"] = ema_params
+        options = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        for folder, copies in folders.items():
             with swapped(params, copies):  # gathered on rank 0's CPU
-                weights = get_model_state_dict(transformer, options=options)
+                weights = dcp_state.get_model_state_dict(transformer, options=options)
             if rank == 0:  # in save_pretrained's layout
-                os.makedirs(f"{tmp}/{name}")
+                os.makedirs(folder)
                 pattern = "diffusion_pytorch_model{suffix}.safetensors"
-                save_torch_state_dict(weights, f"{tmp}/{name}", filename_pattern=pattern)
+                huggingface_hub.save_torch_state_dict(weights, folder, filename_pattern=pattern)
                 config = {**transformer.config, "_class_name": "FluxTransformer2DModel"}
-                with open(f"{tmp}/{name}/config.json", "w") as file:
+                with open(f"{folder}/config.json", "w") as file:
                     json.dump(config, file, indent=2)
         state["kind"] = "full_finetune"
     elif rank == 0:
-        config = transformer.peft_config["default"].to_dict()
         for name, copies in [("lora", []), ("ema_lora", ema_params)]:
             with swapped(params, copies):
                 FluxPipeline.save_lora_weights(
-                    os.path.join(tmp, name), get_peft_model_state_dict(transformer),
-                    transformer_lora_adapter_metadata=config)
+                    f"{tmp}/{name}", peft.get_peft_model_state_dict(transformer),
+                    transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict())
         state["lora"] = [p.detach().cpu() for p in params]
         state["ema"] = [p.cpu() for p in ema_params]
         state["optimizer"] = optimizer.state_dict()
@@ -647,7 +628,7 @@ if __name__ == "__main__":
     if images_per_epoch % (world * args.batch_size):
         fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split "
              f"into {world} GPUs x --batch-size {args.batch_size}")
-    num_batches = images_per_epoch // world // args.batch_size  # per rank
+    num_batches = images_per_epoch // world // args.batch_size
     run_dir = None
     parent = os.path.dirname(os.path.abspath(args.resume or "."))
     if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
@@ -669,39 +650,36 @@ if __name__ == "__main__":
     if num_train_steps < 1:
         fail(f"--timestep-fraction {args.timestep_fraction} trains no step of the "
              f"--num-steps {args.num_steps} - 1")
-    accum_steps = num_batches // args.updates_per_epoch * num_train_steps
     sigmas = dance_sigmas(args.num_steps, args.shift).to(device)
     eval_sigmas = dance_sigmas(args.eval_num_steps, args.shift).to(device)
     if not args.eval_only:
         say(f"{world} process(es) x {num_batches} micro-batches x {args.batch_size} = "
             f"{images_per_epoch} images/epoch; {args.updates_per_epoch} updates/epoch "
-            f"of {accum_steps} micro-steps each")
+            f"of {num_batches // args.updates_per_epoch * num_train_steps} micro-steps each")
 
     # TRY NOT TO MODIFY: the model: frozen base in bf16, LoRA (or all) in fp32
     dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
     pipe = FluxPipeline.from_pretrained(
         args.model, dtype={"default": dtype, "vae": torch.float32}).to(device)
     transformer = pipe.transformer  # in eval mode throughout
-    transformer.requires_grad_(False)  # a LoRA (or all: below) trains
+    transformer.requires_grad_(False)
     torch.manual_seed(args.seed)  # the LoRA init, alike on all ranks
     if args.full_finetune:
         shard_for_full_finetune(transformer)
     else:  # peft's default init (Kaiming-uniform A), as upstream
-        lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
-                          init_lora_weights=True, target_modules=list(args.lora_targets))
+        lora = peft.LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
+                               init_lora_weights=True, target_modules=list(args.lora_targets))
         transformer.add_adapter(lora)
     params = [p for p in transformer.parameters() if p.requires_grad]
     for p in params:
         p.data = p.data.float()
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
-    if args.compile:  # regional: each block on its own
+    if args.compile:
         torch._dynamo.config.recompile_limit = 64
-        for block in [*transformer.transformer_blocks,
-                      *transformer.single_transformer_blocks]:
+        for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
             block.compile(dynamic=False)
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate,
-                                  weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     ema_params = [p.detach().clone() for p in params]
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     grid_size = args.resolution // pipe.vae_scale_factor // 2  # tokens: 2x2 latents
@@ -710,24 +688,22 @@ if __name__ == "__main__":
 
     def velocity(x, sigma, text: Text):
         with autocast:
-            return predict_velocity(transformer, x, sigma, text, img_ids,
-                                    args.guidance_scale)
+            return predict_velocity(transformer, x, sigma, text, img_ids, args.guidance_scale)
 
     # TRY NOT TO MODIFY: resume, run directory, signals, logging, eval
     start_epoch = 0
     global_step = 0
-    if state is not None and args.full_finetune:  # on any GPU count
+    if state and args.full_finetune:  # on any GPU count
         try:  # no checksum of the shards (tens of GB): a bad one fails here
             dist.checkpoint.load(sharded_state(transformer, optimizer, ema_params),
                                  checkpoint_id=os.path.join(args.resume, "dcp"))
-        except (Exception, dist.checkpoint.api.CheckpointException) as error:
-            fail(f"--resume {args.resume!r}: its dcp/ shards do not load "
-                 f"({type(error).__name__})")
-    elif state is not None:
+        except (Exception, dist.checkpoint.CheckpointException) as error:
+            fail(f"--resume {args.resume!r}: its dcp/ shards do not load ({type(error).__name__})")
+    elif state:
         for p, saved in zip(params + ema_params, state["lora"] + state["ema"]):
             p.data.copy_(saved)
         optimizer.load_state_dict(state["optimizer"])
-    if state is not None:
+    if state:
         start_epoch = state["next_epoch"]
         global_step = state["global_step"]
     if rank == 0 and run_dir is None:  # made only now: a failed start leaves none
@@ -751,7 +727,6 @@ if __name__ == "__main__":
         rewards.cancelled.set()
         sys.stdout.flush()
         os._exit(code)
-
     for number in (signal.SIGTERM, signal.SIGINT):  # preemption, Ctrl-C
         signal.signal(number, lambda number, _: stop(
             f"stopped by {signal.Signals(number).name}", 128 + number))
@@ -789,12 +764,12 @@ if __name__ == "__main__":
                             generator=seeded_generator(device, seed, i))
                 for i, seed in batch])
             text = encode(pipe, prompts, device, args.max_sequence_length)
-            drift = {}  # --full-finetune has no adapter: no drift
+            drift = {}  # --full-finetune: no adapter
             with swapped(params, ema_params):  # with EMA 0: the weights
                 final = ode_sample(partial(velocity, text=text), noise, eval_sigmas)
                 if not args.full_finetune:
                     moved = velocity(noise, eval_sigmas[0], text)
-                    transformer.disable_adapters()  # the base model
+                    transformer.disable_adapters()
                     base = velocity(noise, eval_sigmas[0], text)
                     transformer.enable_adapters()
                     drift = (moved - base).flatten(1).norm(dim=1)
@@ -833,15 +808,13 @@ if __name__ == "__main__":
                 images = [results[item][2] for item in row if item in shown]
                 if images:
                     labelled.append((f"{reward:.3f}  {text}", images))
-            path = os.path.join(run_dir, f"eval_{epoch:05d}.png")
-            contact_sheet(labelled).save(path)
+            means["sheet"] = f"eval_{epoch:05d}.png"
+            contact_sheet(labelled).save(os.path.join(run_dir, means["sheet"]))
             name = args.eval_reward or args.reward
             print(f"eval after {epoch} epochs: {name} = {means['reward_mean']:.4f}")
             if epoch and means.get("lora_drift") == 0:
                 print("WARNING: eval/lora_drift is 0: does the LoRA train?")
-            means["sheet"] = os.path.basename(path)  # in the run directory
         return {prefix + name: value for name, value in means.items()}
-
     if args.eval_only:
         log(run_eval(start_epoch), start_epoch)
     executor = ThreadPoolExecutor(max_workers=1)  # scores while sampling goes on
@@ -864,10 +837,9 @@ if __name__ == "__main__":
         group_ids = torch.randperm(images_per_epoch, generator=prompt_gen) // args.group_size
         my_groups = group_ids.view(world, num_batches, args.batch_size)[rank]
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
-        batches = []  # (Text, Rollout) of each micro-batch
+        batches = []  # (Text, Rollout) per micro-batch
         futures = []  # their rewards
-        for groups in tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet,
-                           leave=False):
+        for groups in tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet, leave=False):
             text = Text(epoch_text.embeds[groups], epoch_text.pooled[groups])
             if args.init_same_noise:
                 noise = torch.stack([
@@ -875,8 +847,7 @@ if __name__ == "__main__":
                         device, args.seed, epoch, int(group), GROUP_NOISE_STREAM))
                     for group in groups])
             else:
-                noise = torch.randn((args.batch_size, *latent_shape),
-                                    generator=noise_gen, device=device)
+                noise = torch.randn(len(groups), *latent_shape, generator=noise_gen, device=device)
             window = sde_window(window_size, window_range, args.num_steps, noise_gen,
                                 epoch, args.window_shift_every, args.window_stride,
                                 args.window_roll_back, shrink=True)
@@ -893,7 +864,7 @@ if __name__ == "__main__":
             futures.append(executor.submit(reward_fn, images, prompts, meta))
             batches.append((text, out))
 
-        # TRY NOT TO MODIFY: all ranks' rewards and the advantages
+        # TRY NOT TO MODIFY: all ranks' rewards and upstream's advantages
         reward_start = clock(device)
         try:
             scores, infos = zip(*[future.result() for future in futures])
@@ -908,8 +879,7 @@ if __name__ == "__main__":
         extras = rank_mean(extras, world, device)
         if reward_fn.group_transform is not None:  # e.g. ranks within each group
             all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
-        advantages = group_advantages(all_rewards, group_ids, per_group_std=True,
-                                      eps=1e-8, ddof=1)  # upstream's
+        advantages = group_advantages(all_rewards, group_ids, per_group_std=True, eps=1e-8, ddof=1)
         check_finite(f"epoch {epoch}", run_dir, reward=all_rewards, advantage=advantages)
         group_std = torch.stack([all_rewards[group_ids == group].std(unbiased=False)
                                  for group in range(args.prompts_per_epoch)])
@@ -922,6 +892,7 @@ if __name__ == "__main__":
         step_gen = seeded_generator(torch.device("cpu"), args.seed, epoch, rank, STEP_STREAM)
         stats = defaultdict(list)
         on_policy_dev = float("nan")
+        grad_norm = float("nan")
         micro_step = 0
         rows = torch.arange(args.batch_size, device=device)
         progress = tqdm(batches, f"epoch {epoch} training", disable=quiet, leave=False)
@@ -934,9 +905,8 @@ if __name__ == "__main__":
                 sigma = sigmas[out.start:][step]
                 sigma_next = sigmas[out.start:][step + 1]
                 x = out.latents[rows, step]
-                v = velocity(x, sigma, text)
-                _, log_prob, _, _ = sde_step(v, x, sigma, sigma_next, "dance", args.noise_level,
-                                             prev_sample=out.latents[rows, step + 1])
+                log_prob = sde_step(velocity(x, sigma, text), x, sigma, sigma_next, "dance",
+                                    args.noise_level, prev_sample=out.latents[rows, step + 1])[1]
                 loss, ratio, step_stats = grpo_loss(
                     log_prob=log_prob, old_log_prob=out.log_probs[rows, step],
                     advantages=batch_advantages, clip_range=args.clip_range,
@@ -944,7 +914,7 @@ if __name__ == "__main__":
                 loss.backward()
                 for name, value in step_stats.items():
                     stats[name].append(value)
-                if micro_step == 0:  # the rollout's weights: the ratio must be 1
+                if micro_step == 0:  # the rollout's weights: ratio must be 1
                     on_policy_dev = (ratio - 1).abs().max().item()
                     if on_policy_dev > args.clip_range / 10:
                         say(f"WARNING: on-policy |ratio - 1| = {on_policy_dev:.1e}")
@@ -960,11 +930,8 @@ if __name__ == "__main__":
 
         # ALGO LOGIC: this algorithm's metrics and its part of the summary line
         summary = "empty SDE window (MixGRPO's start = B): no update"
-        if k == 0:  # where upstream crashes
-            grad_norm = float("nan")
-        else:
-            losses = {f"losses/{name}": float(np.mean(values))
-                      for name, values in stats.items()}
+        if k:
+            losses = {f"losses/{name}": float(np.mean(values)) for name, values in stats.items()}
             metrics.update(rank_mean(losses, world, device))
             metrics["losses/on_policy_ratio_dev"] = on_policy_dev
             summary = (f"policy {metrics['losses/policy_loss']:.3e} | ratio dev "
@@ -1002,13 +969,12 @@ if __name__ == "__main__":
                 line += (f" | eval {metrics['eval/reward_mean']:.4f} ± "
                          f"{metrics['eval/reward_stderr']:.4f}")
             print(line + " (nan: a reward gave no number)" * ("nan" in line))
-        saving = not args.full_finetune or (epoch + 1) % args.save_every == 0
         path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
         last = epoch + 1 == args.epochs
         try:
             if not last:  # before its checkpoint: a resume redoes it whole
                 log(metrics, epoch)
-            if saving or last:
+            if last or not args.full_finetune or (epoch + 1) % args.save_every == 0:
                 save_checkpoint(path, transformer, params, ema_params, optimizer,
                                 epoch + 1, global_step, args, rank)
                 if rank == 0:
@@ -1018,7 +984,7 @@ if __name__ == "__main__":
             if last:  # the saved file's score, not the memory's
                 metrics.update(run_eval(epoch + 1, "eval/final_", f"{path}/ema_lora"))
                 log(metrics, epoch)
-            if rank == 0 and not args.full_finetune:  # a LoRA's card
+            if rank == 0 and not args.full_finetune:
                 write_card(run_dir, args, images_per_epoch)
             if rank == 0 and last and args.push_to_hub:  # the final EMA LoRA alone
                 hub = huggingface_hub.HfApi()
