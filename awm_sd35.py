@@ -140,6 +140,8 @@ class Args:
     hub_private: bool = False
     """make that repository private"""
     # Algorithm-specific arguments (defaults: the paper's OCR run)
+    allow_tf32: bool = True
+    """TF32 for fp32 matmuls on CUDA (VAE, rewards), as upstream"""
     max_sequence_length: Annotated[int, ">= 1"] = 128
     """T5 tokens per prompt"""
     num_steps: Annotated[int, ">= 1"] = 14
@@ -249,11 +251,9 @@ def awm_loss(*, log_prob, advantages, v, v_base, v_anchor, adv_clip,
     """A micro-batch's (loss to backward, {statistic: float}). (N,), N = K
     timesteps x B samples: log_prob, advantages; (N, C, h, w): v, v_base,
     v_anchor, the velocities of the LoRA, the base model and the anchor
-    (None: no such term). Clipped, the advantages A let no outlier
-    dominate; ratio = exp(logp - logp.detach()) is 1 with logp's gradient:
-    -A ratio is flow matching towards good samples, away from bad ones
-    (on-policy: upstream's PPO clip never acts). / accum_steps: the
-    optimizer step sums the micro-batches' gradients."""
+    (None: no such term). ratio = exp(logp - logp.detach()) is 1 with
+    logp's gradient: -A ratio, A the clipped advantage, is flow matching
+    towards good samples, away from bad ones (upstream's PPO clip: idle)."""
     advantages = advantages.double().clamp(-adv_clip, adv_clip) / adv_clip
     ratio = torch.exp(log_prob - log_prob.detach())
     policy_loss = (-advantages * ratio).mean()
@@ -607,6 +607,7 @@ if __name__ == "__main__":
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
     if "RANK" in os.environ:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     quiet = rank != 0 or not sys.stderr.isatty()
@@ -647,8 +648,7 @@ if __name__ == "__main__":
     if not args.eval_only:
         say(f"{world} process(es) x {num_batches} rollout batches x {args.batch_size} "
             f"= {images_per_epoch} images/epoch; 1 update/epoch of {accum_steps} "
-            f"micro-batches x {args.train_batch_size} samples x {args.train_timesteps} "
-            "timesteps")
+            f"micro-batches x {args.train_batch_size} samples x {args.train_timesteps} timesteps")
 
     # TRY NOT TO MODIFY: the model: frozen base in bf16/fp16, LoRA in fp32
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
@@ -831,7 +831,7 @@ if __name__ == "__main__":
         sampling_start = clock(device)
 
         # ALGO LOGIC: sampling. The images, shuffled alike on every rank: each samples its
-        # share, a group spans ranks. AWM trains on clean samples alone: any solver will do.
+        # share, a group spans ranks. AWM trains on clean samples: any solver will do.
         group_ids = torch.arange(args.prompts_per_epoch).repeat_interleave(args.group_size)
         group_ids = group_ids[torch.randperm(images_per_epoch, generator=prompt_gen)]
         my_groups = group_ids.view(world, num_batches, args.batch_size)[rank]
@@ -922,8 +922,8 @@ if __name__ == "__main__":
             f"epoch {epoch}, step {global_step}", run_dir)
         global_step += 1
         # The EMA: upstream's, with its warm-up. The anchor's decay: upstream's
-        # 'linear', up 0.001 a step to 0.3, so it stays near the weights each
-        # update starts from: anchor_kl is a trust region (upstream: "mimic TRPO").
+        # 'linear', +0.001 a step to 0.3, so it stays near each update's
+        # start: anchor_kl is a trust region (upstream: "mimic TRPO").
         decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))
         anchor_decay = min(0.3, 0.001 * global_step)
         for ema, anchor, p in zip(ema_params, anchor_params, lora_params):

@@ -141,6 +141,8 @@ class Args:
     hub_private: bool = False
     """make that repository private"""
     # Algorithm-specific arguments (defaults: the paper's OCR run, Table 3)
+    allow_tf32: bool = False
+    """TF32 for fp32 matmuls on CUDA (VAE, rewards), as upstream"""
     max_sequence_length: Annotated[int, ">= 1"] = 256
     """T5 tokens per prompt"""
     num_steps: Annotated[int, ">= 1"] = 10
@@ -603,6 +605,7 @@ if __name__ == "__main__":
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
     if "RANK" in os.environ:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     quiet = rank != 0 or not sys.stderr.isatty()

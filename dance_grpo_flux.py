@@ -133,6 +133,8 @@ class Args:
     hub_private: bool = False
     """make that repository private"""
     # Algorithm-specific arguments
+    allow_tf32: bool = True
+    """TF32 for fp32 matmuls on CUDA (VAE, rewards), as upstream"""
     max_sequence_length: Annotated[int, ">= 1"] = 512
     """T5 tokens per prompt"""
     num_steps: Annotated[int, ">= 1"] = 12
@@ -196,8 +198,7 @@ class Rollout(NamedTuple):
     sample: torch.Tensor  # (B, L, 4C): the last step's x0_hat, scored as upstream
 
 @torch.no_grad()
-def rollout(velocity, noise, sigmas, window, noise_level, generator,
-            dpm_from=None) -> Rollout:
+def rollout(velocity, noise, sigmas, window, noise_level, generator, dpm_from=None) -> Rollout:
     """The dance SDE on the window's steps, Euler elsewhere, DPM-Solver++(2M) from dpm_from."""
     start, end = window
     x = noise.float()
@@ -603,6 +604,7 @@ if __name__ == "__main__":
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
         torch.backends.cuda.enable_cudnn_sdp(False)  # backward: NaN, crash (torch 2.11)
     if "RANK" in os.environ:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")

@@ -13,6 +13,7 @@ Steps, in priority order (the issue's), each run only if its least useful time i
     nft-compiled     e2e.py nft --compile
     build-flux       e2e.py --build-only: FLUX.1-dev with random weights (timed)
     dance-compiled   e2e.py dance --compile
+    grpo-no-tf32     e2e.py grpo --no-compile --no-allow-tf32: what TF32 buys, vs grpo-eager
 
 Time: the budget counts from the shell's start (GPU_CHECK_STARTED). A step starts only if at
 least its `need` seconds are left; it then has until the end of the budget, less the `need` of
@@ -225,7 +226,7 @@ def build_step(family: str, script: str):
 E2E_OVERHEAD = {"full": 45.0, "tiny": 15.0}  # e2e.py's own start: imports, matmul peak, FLOPs
 
 
-def e2e_step(script: str, variant: str):
+def e2e_step(script: str, variant: str, script_args: str = "", label: str = ""):
     family = "flux-dev" if script == "dance" else "sd35m"
 
     def run(ctx: Context, deadline: float) -> dict:
@@ -234,18 +235,19 @@ def e2e_step(script: str, variant: str):
             if built["status"] != "ok":
                 return {"status": f"skipped: no {family} pipeline ({built['status']})",
                         "log_tail": built.get("log_tail", "")}
-        name = f"{script}-{variant}"
+        name = label or f"{script}-{variant}"
         json_path = os.path.join(ctx.work, f"e2e-{name}.json")
         timeout = int(deadline - ctx.now() - E2E_OVERHEAD[ctx.args.arch])
         command = e2e_command(ctx, [script], json_path) + [
             "--variants", variant, "--output-dir", os.path.join(ctx.work, "runs"),
-            "--timeout", str(max(timeout, 1))]
+            "--timeout", str(max(timeout, 1)), f"--script-args={script_args}"]
         log = os.path.join(ctx.logs, f"e2e-{name}.log")
         (status,) = wait(ctx, [start(ctx, command, log)], deadline + 15)
         runs = json.load(open(json_path))["runs"] if os.path.exists(json_path) else []
         if not runs:
             return {"status": f"{status}: e2e.py reported no run", "log_tail": tail(log)}
         run = runs[0]
+        run["variant"] = f"{variant} {script_args}".strip()
         graphs = [e.get("perf/compiled_graphs") for e in run.get("epochs", [])]
         run["graphs_per_epoch"] = graphs
         if len(graphs) > 1 and None not in graphs:
@@ -393,6 +395,8 @@ STEPS = [
     Step("nft-compiled", e2e_step("nft", "compiled"), {"full": 200, "tiny": 60}),
     Step("build-flux", build_step("flux-dev", "dance"), {"full": 90, "tiny": 10}),
     Step("dance-compiled", e2e_step("dance", "compiled"), {"full": 180, "tiny": 60}),
+    Step("grpo-no-tf32", e2e_step("grpo", "eager", "--no-allow-tf32", "grpo-no-tf32"),
+         {"full": 90, "tiny": 20}),
 ]
 
 

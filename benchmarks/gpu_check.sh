@@ -23,6 +23,7 @@
 #   nft-compiled     200          160-250 (estimate)                        237
 #   build-flux       90           40-160 (estimate, disk-bound)             15
 #   dance-compiled   180          200-400 (estimate)                        233
+#   grpo-no-tf32     90           about grpo-eager's (estimate)             21
 #
 # In 540 s expect build-sd35, grpo-compiled, grpo-eager and, in what is left, the start of the
 # demos and ocr. The rest needs a second call on the warm machine, e.g.

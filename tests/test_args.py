@@ -69,3 +69,15 @@ def test_an_out_of_range_value_stops_with_one_line_naming_the_flag(script):
         if kind is float:
             with pytest.raises(SystemExit, match=f"^error: {flag} must be a finite number"):
                 module.check_ranges(with_value(module, name, float("nan")))
+
+
+def test_tf32_defaults_to_each_upstreams_setting():
+    """TF32 matmuls as each upstream runs them (read in their trees): the configs of flow_grpo
+    (config/base.py), DiffusionNFT (config/base.py) and AWM (config/base_awm.py) set
+    `allow_tf32 = True`, which their train scripts apply; DanceGRPO's launch script
+    (scripts/finetune/finetune_flux_grpo.sh) passes `--allow_tf32`; Flow-Factory (CRD's) never
+    sets it: PyTorch's default, off."""
+    upstream = {"grpo_sd35": True, "nft_sd35": True, "awm_sd35": True, "crd_sd35": False,
+                "dance_grpo_flux": True}
+    for script, on in upstream.items():
+        assert importlib.import_module(script).Args().allow_tf32 is on, script

@@ -199,7 +199,7 @@ def test_gpu_check_schedule_and_skip_line(tmp_path, monkeypatch):
     assert gpu_check.deadline_for(now=450, end=540, need=100, reserved=0) is None
     assert [step.name for step in gpu_check.STEPS] == [  # issue 44's priorities
         "build-sd35", "grpo-compiled", "grpo-eager", "demos", "ocr", "crd-compiled",
-        "nft-compiled", "build-flux", "dance-compiled"]
+        "nft-compiled", "build-flux", "dance-compiled", "grpo-no-tf32"]
     monkeypatch.delenv("GPU_CHECK_STARTED", raising=False)
     out = tmp_path / "out"
     results = gpu_check.main(gpu_check.Args(arch="tiny", budget=5, only=("build-flux",),
