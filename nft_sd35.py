@@ -29,6 +29,7 @@ import math
 import os
 import resource
 import shutil
+import shlex
 import signal
 import sys
 import tempfile
@@ -41,6 +42,7 @@ from dataclasses import asdict, dataclass, fields
 from functools import partial
 from typing import Annotated, Literal, NamedTuple
 
+import huggingface_hub
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -74,6 +76,7 @@ LORA_TARGETS = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj",
                 "attn.to_add_out", "attn.to_k", "attn.to_out.0", "attn.to_q",
                 "attn.to_v")
 
+
 @dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -82,6 +85,8 @@ class Args:
     """seed of the LoRA init, prompt draws and noise"""
     track: bool = False
     """also log to wandb (WANDB_PROJECT, WANDB_ENTITY: where)"""
+    toy: bool = False
+    """the toy-world demo: TOY's flags as the defaults"""
     output_dir: str = "runs"
     """runs go to OUTPUT_DIR/RUN_NAME"""
     resume: str | None = None
@@ -173,11 +178,22 @@ class Args:
     save_every: Annotated[int, ">= 1"] = 30
     """checkpoint every N epochs (and after the last)"""
 
+
+# ALGO LOGIC: --toy, the CPU demo (docs/toy_world.md)
+TOY = dict(model="tests/assets/toy-sd3", train_prompts="tests/assets/toy_train.txt",
+           test_prompts="tests/assets/toy_test.txt",
+           reward="tests/toy_rewards.py:counting_partial",
+           eval_reward="tests/toy_rewards.py:counting", resolution=32,
+           max_sequence_length=24, mixed_precision="no", eval_num_steps=10,
+           group_size=16, prompts_per_epoch=6, batch_size=16, lora_rank=8,
+           lora_alpha=8, learning_rate=1e-3, epochs=16, eval_every=4)
+
 # TRY NOT TO MODIFY: what --resume must match, ranges
 STATE_FLAGS = ["model", "lora_rank", "lora_alpha", "lora_targets"]
 RANGES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: x >= 2,
           "> 0": lambda x: x > 0, "in [0, 1)": lambda x: 0 <= x < 1,
           "in (0, 1]": lambda x: 0 < x <= 1, "in [0, 1]": lambda x: 0 <= x <= 1}
+
 
 # ALGO LOGIC: the sampler and the loss
 @torch.no_grad()
@@ -204,6 +220,7 @@ def dpm_sample(velocity, noise, sigmas) -> torch.Tensor:
         x0_prev = x0
         latents.append(x)
     return torch.stack(latents, dim=1)
+
 
 def nft_loss(*, v, v_old, v_ref, x0, xt, t, advantages, beta, adv_clip, kl_beta,
              accum_steps):
@@ -238,6 +255,7 @@ def nft_loss(*, v, v_old, v_ref, x0, xt, t, advantages, beta, adv_clip, kl_beta,
              "old_deviate": ((v.detach() - v_old) ** 2).mean().item()}
     return (policy_loss + kl_beta * kl) / accum_steps, stats
 
+
 def old_decay(step: int, decay_type: int) -> float:
     """eta of old <- eta old + (1 - eta) current after `step` optimizer steps
     (upstream's return_decay). eta 0 (on-policy) learns fast, then collapses;
@@ -252,19 +270,23 @@ def old_decay(step: int, decay_type: int) -> float:
         return 0.0
     return min(0.0075 * (step - 75), 0.999)
 
+
 # TRY NOT TO MODIFY: the shared helpers
 class Text(NamedTuple):
     """Encoded prompts: T5 + CLIP tokens (B, L, 4096), pooled CLIP (B, 2048)."""
     embeds: torch.Tensor
     pooled: torch.Tensor
 
+
 def fail(message: str):
     """Stop with one line, printed once (by rank 0 under torchrun)."""
     raise SystemExit(1 if os.environ.get("RANK", "0") != "0" else f"error: {message}")
 
+
 def say(message: str):
     if os.environ.get("RANK", "0") == "0":
         print(message, flush=True)
+
 
 def check_ranges(args):
     for field in fields(args):
@@ -276,6 +298,7 @@ def check_ranges(args):
                 fail(f"{flag} must be a finite number, got {number}")
             if isinstance(number, (int, float)) and not RANGES[allowed](number):
                 fail(f"{flag} must be {allowed}, got {value}")
+
 
 def check_args(args) -> dict | None:
     """Checks that need no weights; the checkpoint's state if resuming."""
@@ -294,13 +317,15 @@ def check_args(args) -> dict | None:
         state = load_state(args.resume)
         if isinstance(state, str):
             fail(f"--resume {args.resume!r}: {state}")
-    if args.resume:
+    if args.resume:  # the checkpoint's flags, but those given
         say(f"resuming from {args.resume}")
-    if args.resume and args.eval_only:
         given = {word[2:].split("=")[0].removeprefix("no-").replace("-", "_")
                  for word in sys.argv[1:] if word.startswith("--")}
+        given |= {"resume", "eval_only"}
+        if args.eval_only:  # an eval pushes nothing
+            given.add("push_to_hub")
         for name, value in state["args"].items():
-            if name not in given | {"resume", "eval_only", "push_to_hub"}:
+            if name not in given:
                 setattr(args, name, value)
     check_ranges(args)
     if args.mixed_precision == "fp16" and not torch.cuda.is_available():
@@ -345,9 +370,21 @@ def check_args(args) -> dict | None:
         if state["args"][name] != getattr(args, name):
             fail(f"--{name.replace('_', '-')} {getattr(args, name)!r} differs from the "
                  f"checkpoint's {state['args'][name]!r}")
-    if not args.eval_only and state["next_epoch"] >= args.epochs:
-        fail(f"--epochs {args.epochs} is not past the checkpoint's {state['next_epoch']}")
+    if not args.eval_only and state["next_epoch"] > args.epochs:
+        fail(f"--epochs {args.epochs} < the checkpoint's {state['next_epoch']}")
+    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(args.resume)))
+    if not args.eval_only and state["next_epoch"] == args.epochs and finished(run_dir):
+        say(f"{run_dir} has finished")
+        raise SystemExit(0)
     return state
+
+
+def finished(run_dir: str) -> bool:
+    """Whether metrics.jsonl ends in the final eval (a run's last act)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    last = open(path).readlines()[-1:] if os.path.exists(path) else [""]
+    return last[0].endswith("}\n") and '"eval/final_sheet"' in last[0]
+
 
 def load_state(save: str) -> dict | str:
     """A checkpoint's state if its checksum (written last) matches, else why."""
@@ -361,6 +398,7 @@ def load_state(save: str) -> dict | str:
     if hashlib.sha256(data).hexdigest() != digest:
         return "corrupt: its state.pt does not match state.pt.sha256"
     return torch.load(io.BytesIO(data), map_location="cpu")
+
 
 def load_prompts(path: str) -> tuple[list[str], list[dict]]:
     if not os.path.isfile(path):
@@ -377,6 +415,7 @@ def load_prompts(path: str) -> tuple[list[str], list[dict]]:
     except (ValueError, TypeError, KeyError) as error:
         fail(f"every line of {path!r} must be a JSON object with a 'prompt' ({error!r})")
 
+
 def all_gather_cat(tensor: torch.Tensor, world: int) -> torch.Tensor:
     """Every rank's equally shaped tensor, concatenated in rank order."""
     if world == 1:
@@ -385,10 +424,12 @@ def all_gather_cat(tensor: torch.Tensor, world: int) -> torch.Tensor:
     dist.all_gather(gathered, tensor.contiguous())
     return torch.cat(gathered)
 
+
 def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
     """Seeded from (seed, epoch, rank, ...): resumes exactly, no state saved."""
     seed = np.random.SeedSequence(list(keys)).generate_state(1)[0]
     return torch.Generator(device).manual_seed(int(seed))
+
 
 @torch.no_grad()
 def encode(pipe, prompts: list[str], device, max_sequence_length: int) -> Text:
@@ -396,6 +437,7 @@ def encode(pipe, prompts: list[str], device, max_sequence_length: int) -> Text:
         prompts, None, None, device=device, do_classifier_free_guidance=False,
         max_sequence_length=max_sequence_length)
     return Text(embeds, pooled)
+
 
 def predict_velocity(transformer, x, sigma, text: Text, negative: Text,
                      guidance_scale: float) -> torch.Tensor:
@@ -415,6 +457,7 @@ def predict_velocity(transformer, x, sigma, text: Text, negative: Text,
     v_uncond, v_cond = v.chunk(2)
     return v_uncond + guidance_scale * (v_cond - v_uncond)
 
+
 @torch.no_grad()
 def ode_sample(velocity, noise, sigmas) -> torch.Tensor:
     """Euler ODE along sigmas: every script's eval sampler, so evals compare."""
@@ -424,11 +467,13 @@ def ode_sample(velocity, noise, sigmas) -> torch.Tensor:
         x = sde_step(v, x, sigmas[i], sigmas[i + 1], "ode", 0.0)[0]
     return x
 
+
 @torch.no_grad()
 def decode(vae, latents) -> torch.Tensor:
     """Latents -> images (B, 3, H, W) in [0, 1], decoded in fp32."""
     latents = latents.float() / vae.config.scaling_factor + vae.config.shift_factor
     return (vae.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
+
 
 def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where, run_dir):
     if world > 1:
@@ -444,9 +489,11 @@ def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where,
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
 
+
 def save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
-                    optimizer, next_epoch, global_step, args):
-    """lora/, ema_lora/ (diffusers LoRAs), state.pt, its checksum last; then renamed."""
+                    optimizer, next_epoch, global_step, args, metrics):
+    """lora/, ema_lora/ (diffusers LoRAs), state.pt, its checksum last; then renamed.
+    metrics: the epoch's, for a relaunch."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     for name, copies in [("lora", []), ("ema_lora", ema_params)]:
@@ -460,12 +507,16 @@ def save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
                 "ema": [p.cpu() for p in ema_params],
                 "optimizer": optimizer.state_dict(), "next_epoch": next_epoch,
                 "global_step": global_step, "args": asdict(args), "extra": extra,
-                "script": os.path.basename(__file__)}, state)
+                "metrics": metrics, "script": os.path.basename(__file__)}, state)
     with open(f"{tmp}/state.pt", "wb") as file:
         file.write(state.getvalue())
+    for name in ["lora", "ema_lora"]:  # safetensors' are private
+        weights = f"{tmp}/{name}/pytorch_lora_weights.safetensors"
+        shutil.copymode(f"{tmp}/state.pt", weights)
     with open(f"{tmp}/state.pt.sha256", "w") as file:
         file.write(hashlib.sha256(state.getvalue()).hexdigest())
     os.rename(tmp, path)
+
 
 def prune_checkpoints(run_dir: str, current: str, save_every: int, limit: int | None):
     """Keep current and the newest `limit` (None: all) on the --save-every grid."""
@@ -475,45 +526,73 @@ def prune_checkpoints(run_dir: str, current: str, save_every: int, limit: int | 
     for save in set(saves) - kept:
         shutil.rmtree(save)
 
-def write_card(run_dir: str, args, images_per_epoch: int):
-    """The Hub's model card (README.md) and eval sheet in each evaluated checkpoint."""
+
+def write_card(run_dir: str, args, images_per_epoch: int, final=None):
+    """A model card (README.md) and eval sheet in each evaluated checkpoint's
+    LoRA folders. final: the last epoch's metrics, unlogged."""
+    def score(row, key):  # mean ± standard error; null: NaN
+        numbers = [row[key + "reward_mean"], row[key + "reward_stderr"]]
+        numbers = [math.nan if x is None else x for x in numbers]
+        return "{:.4f} ± {:.4f}".format(*numbers)
     with open(os.path.join(run_dir, "metrics.jsonl")) as file:
-        evals = [(row[key + "sheet"], row[key + "reward_mean"]) for row in map(json.loads, file)
-                 for key in ["eval/", "eval/final_"] if key + "sheet" in row]
-    evals = [(sheet, math.nan if x is None else x) for sheet, x in evals]  # null: NaN
+        rows = [json.loads(line) for line in file] + [final or {}]
+    evals = [(row[key + "sheet"], score(row, key)) for row in rows
+             for key in ["eval/", "eval/final_"] if key + "sheet" in row]
     name = os.path.basename(__file__)
     about = " ".join(__doc__[: __doc__.index("Docs:")].split())
-    flags = ", ".join(f"`--{flag.replace('_', '-')} {value}`" for flag, value in vars(args).items())
-    for sheet, reward in evals:
+    for sheet, after in evals:
         epochs = int(sheet[5:10])  # eval_00060.png
         save = os.path.join(run_dir, "checkpoints", f"epoch_{epochs:05d}")
         if not os.path.isdir(save):  # the base model's, or pruned
             continue
-        card = f"""---
+        pushed = args.hub_model_id or f"{save}/ema_lora"
+        for folder, where in [("lora", f"{save}/lora"), ("ema_lora", pushed)]:
+            card = f"""---
 base_model: {args.model}
 library_name: diffusers
 license: other
 tags: [diffusers, lora, text-to-image, {name[:-3]}]
 ---
 # {name}: a LoRA of {args.model} (its licence applies)
-{about}. Eval reward `{args.eval_reward or args.reward}` of `ema_lora/` (the EMA of
-`lora/`): {evals[0][1]:.4f} before, {reward:.4f} after {epochs} epochs
+{about}.
+
+`lora/` holds the trained LoRA, `ema_lora/` its EMA (decay {args.ema_decay};
+0: the same). `ema_lora/`'s eval reward `{args.eval_reward or args.reward}`
+(mean ± s.e.): {evals[0][1]} before, {after} after {epochs} epochs
 ({epochs * images_per_epoch:,} images); a row per test prompt:
 ![eval sheet](eval_sheet.png)
 ```python
+from diffusers import DiffusionPipeline
 pipe = DiffusionPipeline.from_pretrained("{args.model}")
-pipe.load_lora_weights("{args.hub_model_id or save + '/ema_lora'}")
+pipe.load_lora_weights("{where}")
 ```
-Flags: {flags}
+Trained with `{command_line(args)}` (other flags at their defaults).
 """
-        for folder in [f"{save}/lora", f"{save}/ema_lora"]:
-            with open(f"{folder}/README.md", "w") as file:
+            with open(f"{save}/{folder}/README.md", "w") as file:
                 file.write(card)
-            shutil.copy(os.path.join(run_dir, sheet), f"{folder}/eval_sheet.png")
+            shutil.copy(f"{run_dir}/{sheet}", f"{save}/{folder}/eval_sheet.png")
+
+
+def command_line(args) -> str:
+    """The command that trains args again (defaults left out)."""
+    defaults = asdict(Args(**TOY) if args.toy else Args())  # --toy shows
+    words = ["python", os.path.basename(__file__)]
+    for name, value in asdict(args).items():
+        flag = "--" + name.replace("_", "-")
+        if value == defaults[name] or name in ["resume", "push_to_hub", "hub_model_id"]:
+            continue
+        if isinstance(value, bool):
+            words.append(flag if value else f"--no-{flag[2:]}")
+        else:
+            values = value if isinstance(value, (tuple, list)) else [value]
+            words += [flag, *map(str, values)]
+    return shlex.join(words)
+
 
 def last_checkpoint(run_dir: str) -> str:
     saves = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
     return saves[-1] if saves else "none saved yet"
+
 
 @contextmanager
 def swapped(params, copies):
@@ -526,6 +605,7 @@ def swapped(params, copies):
         for p, copy in zip(params, copies):
             p.data, copy.data = copy.data, p.data
 
+
 @contextmanager
 def adapters_disabled(transformer):
     transformer.disable_adapters()
@@ -533,6 +613,7 @@ def adapters_disabled(transformer):
         yield
     finally:
         transformer.enable_adapters()
+
 
 def prepare_run_dir(run_dir: str, start_epoch: int):
     """Drop crashed saves, and the saves and metrics lines after start_epoch."""
@@ -549,23 +630,29 @@ def prepare_run_dir(run_dir: str, start_epoch: int):
         file.writelines(x for x in lines if json.loads(x)["epoch"] < start_epoch)
     os.replace(path + ".tmp", path)
 
-def contact_sheet(rows: list[tuple[str, list]], cell: int = 128) -> Image.Image:
-    """Each row's images (H, W, 3), at least `cell` pixels wide, under its label."""
-    size = max(cell, rows[0][1][0].shape[0])
-    width = max(640, size * max(len(images) for _, images in rows))
-    sheet = Image.new("RGB", (width, len(rows) * (size + 24)), "white")
+
+def contact_sheet(title: str, rows: list) -> Image.Image:
+    """A title, then each row's label over its images (H, W, 3), the rows 640 wide."""
+    columns = max(len(images) for _, images in rows)
+    size = max(rows[0][1][0].shape[0], 640 // columns)
+    sheet = Image.new("RGB", (size * columns, 24 + len(rows) * (size + 24)), "white")
     draw = ImageDraw.Draw(sheet)
+    font = ImageFont.load_default(14)
+    draw.text((4, 4), title, "black", font)
     for row, (label, images) in enumerate(rows):
-        draw.text((4, row * (size + 24) + 4), label, "black", ImageFont.load_default(14))
+        top = 24 + row * (size + 24)
+        draw.text((4, top + 4), label, "black", font)
         for column, image in enumerate(images):
             image = Image.fromarray(image).resize((size, size), Image.NEAREST)
-            sheet.paste(image, (column * size, row * (size + 24) + 24))
+            sheet.paste(image, (column * size, top + 24))
     return sheet
+
 
 def rank_mean(values: dict[str, float], world: int, device) -> dict[str, float]:
     """Each value's mean over ranks: the run's statistics, not rank 0's."""
     local = torch.tensor([list(values.values())], dtype=torch.float64, device=device)
     return dict(zip(values, all_gather_cat(local, world).mean(0).tolist()))
+
 
 def clock(device) -> float:
     """Seconds, once the GPU has run its queued work (phase timings)."""
@@ -573,15 +660,20 @@ def clock(device) -> float:
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
+
 def check_finite(where: str, run_dir: str, **values):
     for name, value in values.items():
         if not torch.isfinite(torch.as_tensor(value)).all():
             fail(f"non-finite {name} at {where}; stopping. Last checkpoint: "
                  f"{last_checkpoint(run_dir)}")
 
+
 if __name__ == "__main__":
     # TRY NOT TO MODIFY: input checks and rewards, before the model loads
     args = tyro.cli(Args, description=__doc__.split("\n\n")[0])
+    if args.toy:  # the demo's flags are the defaults; those given win
+        args = tyro.cli(Args, description=__doc__.split("\n\n")[0],
+                        default=Args(**TOY, toy=True))
     state = check_args(args)
     train_prompts, train_meta = ([], []) if args.eval_only else load_prompts(args.train_prompts)
     test_prompts, test_meta = load_prompts(args.test_prompts)
@@ -791,8 +883,10 @@ if __name__ == "__main__":
                 if images:
                     labelled.append((f"{reward:.3f}  {text}", images))
             path = os.path.join(run_dir, f"eval_{epoch:05d}.png")
-            contact_sheet(labelled).save(path)
             name = args.eval_reward or args.reward
+            score = f"{means['reward_mean']:.4f} ± {means['reward_stderr']:.4f}"
+            title = f"{os.path.basename(__file__)} after {epoch} epochs: {score}"
+            contact_sheet(title, labelled).save(path)
             print(f"eval after {epoch} epochs: {name} = {means['reward_mean']:.4f}")
             if epoch and not means["lora_drift"]:
                 print("WARNING: eval/lora_drift is 0: does the LoRA train?")
@@ -802,6 +896,7 @@ if __name__ == "__main__":
     if args.eval_only:
         log(run_eval(start_epoch), start_epoch)
     executor = ThreadPoolExecutor(max_workers=1)  # scores while sampling goes on
+    metrics = state.get("metrics", {}) if state else {}  # a relaunch's
     for epoch in range(start_epoch, 0 if args.eval_only else args.epochs):
         epoch_start = clock(device)
         metrics = run_eval(epoch) if epoch % args.eval_every == 0 else {}
@@ -960,22 +1055,30 @@ if __name__ == "__main__":
                 log(metrics, epoch)
             if rank == 0:
                 save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
-                                optimizer, epoch + 1, global_step, args)
+                                optimizer, epoch + 1, global_step, args, metrics)
                 prune_checkpoints(run_dir, path, args.save_every, args.checkpoints_total_limit)
-            if world > 1:
-                dist.barrier()
-            if last:  # the saved file's score, not the memory's
-                metrics.update(run_eval(epoch + 1, "eval/final_", f"{path}/ema_lora"))
-                log(metrics, epoch)
+                if not last:  # the last's waits for the final eval
+                    write_card(run_dir, args, images_per_epoch)
+        except (OSError, SafetensorError) as error:
+            stop(f"error: {error} (saving epoch {epoch + 1})")
+        if world > 1:
+            dist.barrier()
+
+    # TRY NOT TO MODIFY: the final eval of the saved file, card, push, line
+    if not args.eval_only:
+        path = os.path.join(run_dir, "checkpoints", f"epoch_{args.epochs:05d}")
+        metrics.update(run_eval(args.epochs, "eval/final_", f"{path}/ema_lora"))
+        try:
             if rank == 0:
-                write_card(run_dir, args, images_per_epoch)
-            if rank == 0 and last and args.push_to_hub:  # the final EMA LoRA alone
+                write_card(run_dir, args, images_per_epoch, final=metrics)
+            if rank == 0 and args.push_to_hub:  # the final EMA LoRA alone
                 hub = huggingface_hub.HfApi()
                 hub.create_repo(args.hub_model_id, private=args.hub_private, exist_ok=True)
                 hub.upload_folder(repo_id=args.hub_model_id, folder_path=f"{path}/ema_lora")
                 print(f"pushed to https://huggingface.co/{args.hub_model_id}")
-        except (OSError, SafetensorError) as error:
-            stop(f"error: {error} (saving epoch {epoch + 1})")
+            log(metrics, args.epochs - 1)
+        except OSError as error:
+            stop(f"error: {error} (finishing after {args.epochs} epochs)")
     executor.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()

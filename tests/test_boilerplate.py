@@ -23,9 +23,9 @@ SHARED = ["Text", "fail", "check_ranges", "check_args", "load_prompts", "all_gat
 # dance copies in place where the LoRA scripts swap storage.)
 FLUX_OWN = {"Args", "check_args", "encode", "predict_velocity", "decode",
             "save_checkpoint", "optimizer_step", "rollout", "grpo_loss", "Rollout",
-            "LORA_TARGETS", "STATE_FLAGS", "Text", "swapped"}
-# ALGO LOGIC names that differ between SD3.5 scripts by design
-ALGO_OWN = {"Args", "rollout", "Rollout"}
+            "LORA_TARGETS", "STATE_FLAGS", "Text", "swapped", "TOY"}
+# ALGO LOGIC names that differ between SD3.5 scripts by design (TOY: each its demo's flags)
+ALGO_OWN = {"Args", "rollout", "Rollout", "TOY"}
 SHARED_TAG, ALGO_TAG = "# TRY NOT TO MODIFY:", "# ALGO LOGIC:"
 ALGO_ARGS = "    # Algorithm-specific arguments"
 
@@ -141,13 +141,30 @@ def test_the_contract_names_what_algo_logic_sets_and_plumbing_reads(script):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_script_fits_its_budget(script):
-    """<= 900 lines after the readability pass (1000 with the features filed after it), a
-    mean <= 55 characters per non-blank line: clarity, not packing."""
+    """<= 1,100 lines with PEP 8's two blank lines between top-level definitions, a mean <= 55
+    characters per non-blank line: clarity, not packing."""
     lines = read(script).splitlines()
     filled = [line for line in lines if line.strip()]
-    assert len(lines) <= 1000, f"{script}: {len(lines)} lines"
+    assert len(lines) <= 1100, f"{script}: {len(lines)} lines"
     mean = sum(map(len, filled)) / len(filled)
     assert mean <= 55, f"{script}: {mean:.2f} characters per non-blank line"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_top_level_definitions_stand_between_two_blank_lines(script):
+    """PEP 8: two blank lines before each top-level function or class (before its decorators
+    and the comment lines that introduce it), so the line budget is not met by packing."""
+    text = read(script)
+    lines = text.splitlines()
+    packed = []
+    for node in ast.parse(text).body[1:]:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
+            while lines[first - 1].startswith("#"):  # its introducing comment
+                first -= 1
+            if lines[first - 2 : first] != ["", ""]:
+                packed.append(f"{node.name} (line {node.lineno})")
+    assert not packed, f"{script}: no two blank lines before " + ", ".join(packed)
 
 
 @pytest.mark.parametrize("module,cap", [("sde.py", 280), ("rewards.py", 600)])
