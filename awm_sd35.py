@@ -207,10 +207,9 @@ RANGES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: 
 @torch.no_grad()
 def sa_solver_sample(velocity, scheduler, noise, sigmas, tau, tau_window,
                      generator) -> torch.Tensor:
-    """SA-Solver (arXiv:2309.05019), fp32, velocity(x, sigma) -> v; steps
-    into a sigma in tau_window have noise tau, others none. Upstream's grid,
-    as diffusers' never reaches sigma 0: SD3's less the 0, from 1 - 1e-3,
-    the last point halved, where x - sigma v is the sample."""
+    """SA-Solver (arXiv:2309.05019), fp32; steps into a sigma in tau_window have noise
+    tau, others none. Upstream's grid (diffusers' never reaches 0): SD3's less
+    the 0, from 1 - 1e-3, the last point halved, where x - sigma v is the sample."""
     grid = sigmas[:-1].clone()  # (T,)
     grid[-1] = grid[-2] / 2  # first: at T = 2, grid[-2] is grid[0]
     grid[0] = 1 - 1e-3
@@ -219,9 +218,8 @@ def sa_solver_sample(velocity, scheduler, noise, sigmas, tau, tau_window,
     scheduler.timesteps = (1000 * grid).cpu()
     # diffusers asks for tau by source timestep; upstream decides by target.
     low, high = tau_window
-    targets = grid[1:].tolist()
     step_tau = {timestep: tau if low <= sigma_next <= high else 0.0
-                for timestep, sigma_next in zip(scheduler.timesteps.tolist(), targets)}
+                for timestep, sigma_next in zip(scheduler.timesteps.tolist(), grid[1:].tolist())}
     scheduler.tau_func = lambda timestep: step_tau[float(timestep)]
     x = noise.float()
     for i, sigma in enumerate(grid.tolist()):
@@ -248,9 +246,8 @@ def sde_sample(velocity, noise, sigmas, kind, noise_level,
 
 
 def stratified_timestep_indices(num_train_steps, count, time_type, generator):
-    """`count` grid indices, a uniform draw from each stratum of [low,
-    num_train_steps) cut at linspace, low 0 for 'discrete', else 1 (never
-    sigma = 1). An empty stratum yields its lower end."""
+    """`count` grid indices, a uniform draw from each stratum of [low, num_train_steps)
+    (low 0 for 'discrete', else 1: never sigma 1); an empty stratum: its lower end."""
     low = 0 if time_type == "discrete" else 1
     bounds = torch.linspace(low, num_train_steps, count + 1).long()
     uniform = torch.rand(count, generator=generator, device=generator.device).cpu()
@@ -258,10 +255,9 @@ def stratified_timestep_indices(num_train_steps, count, time_type, generator):
 
 
 def awm_log_prob(v, x0, noise, t, power=0.25):
-    """AWM's log-likelihood proxy (B,), float64, upstream's 'ghuber':
-    -(t / p)((l + eps)^p - eps^p), l the flow-matching error of v at x_t =
-    (1 - t) x0 + t noise. Its gradient -t (l + eps)^(p - 1) damps the
-    samples the model fits worst; eps = 1e-10 keeps it finite at l = 0."""
+    """AWM's log-likelihood proxy (B,), float64, upstream's 'ghuber': -(t / p)((l + eps)^p
+    - eps^p), l the flow-matching error of v at x_t = (1 - t) x0 + t noise. Its gradient
+    -t (l + eps)^(p - 1) damps the worst-fit samples; eps = 1e-10: finite at l = 0."""
     target = noise.double() - x0.double()  # the velocity from x0 to noise
     error = ((v.double() - target) ** 2).flatten(1).mean(1)  # l: (B,)
     t = torch.as_tensor(t, dtype=torch.float64, device=error.device)
@@ -270,12 +266,11 @@ def awm_log_prob(v, x0, noise, t, power=0.25):
 
 def awm_loss(*, log_prob, advantages, v, v_base, v_anchor, adv_clip,
              kl_beta, anchor_beta, accum_steps):
-    """A micro-batch's (loss to backward, {statistic: float}). (N,), N = K
-    timesteps x B samples: log_prob, advantages; (N, C, h, w): v, v_base,
-    v_anchor, the velocities of the LoRA, the base model and the anchor
-    (None: no such term). ratio = exp(logp - logp.detach()) is 1 with
-    logp's gradient: -A ratio, A the clipped advantage, is flow matching
-    towards good samples, away from bad ones (upstream's PPO clip: idle)."""
+    """A micro-batch's (loss to backward, {statistic: float}). (N,), N = K timesteps x
+    B samples: log_prob, advantages; (N, C, h, w): v, v_base, v_anchor, the velocities
+    of the LoRA, base model and anchor (None: no such term). ratio = exp(logp -
+    logp.detach()) is 1 with logp's gradient: -A ratio, A the clipped advantage, is flow
+    matching towards good samples, away from bad ones (upstream's PPO clip: idle)."""
     advantages = advantages.double().clamp(-adv_clip, adv_clip) / adv_clip
     ratio = torch.exp(log_prob - log_prob.detach())
     policy_loss = (-advantages * ratio).mean()
@@ -341,11 +336,8 @@ def check_args(args) -> dict | None:
         say(f"resuming from {args.resume}")
         given = {word[2:].split("=")[0].removeprefix("no-").replace("-", "_")
                  for word in sys.argv[1:] if word.startswith("--")}
-        given |= {"resume", "eval_only"}
-        if args.eval_only:  # an eval pushes nothing
-            given.add("push_to_hub")
         for name, value in state["args"].items():
-            if name not in given:
+            if name not in given | {"resume", "eval_only"}:
                 setattr(args, name, value)
     check_ranges(args)
     if args.mixed_precision == "fp16" and not torch.cuda.is_available():
@@ -375,7 +367,7 @@ def check_args(args) -> dict | None:
         if not wandb.login(prompt=False):
             fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), "
                  "or WANDB_MODE=offline")
-    if args.push_to_hub:  # found now, not after training
+    if args.push_to_hub and not args.eval_only:
         try:
             user = huggingface_hub.whoami()["name"]
         except Exception as error:  # no token, offline, no answer
@@ -393,17 +385,18 @@ def check_args(args) -> dict | None:
     if not args.eval_only and state["next_epoch"] > args.epochs:
         fail(f"--epochs {args.epochs} < the checkpoint's {state['next_epoch']}")
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(args.resume)))
-    if not args.eval_only and state["next_epoch"] == args.epochs and finished(run_dir):
+    if not args.eval_only and finished(run_dir, args.epochs):
         say(f"{run_dir} has finished")
         raise SystemExit(0)
     return state
 
 
-def finished(run_dir: str) -> bool:
-    """Whether metrics.jsonl ends in the final eval (a run's last act)."""
+def finished(run_dir: str, epochs: int) -> bool:
+    """Whether the run logged its final eval, its last act."""
     path = os.path.join(run_dir, "metrics.jsonl")
-    last = open(path).readlines()[-1:] if os.path.exists(path) else [""]
-    return last[0].endswith("}\n") and '"eval/final_sheet"' in last[0]
+    lines = open(path).readlines() if os.path.exists(path) else []
+    row = json.loads(lines[-1]) if lines and lines[-1].endswith("\n") else {}
+    return row.get("epoch") == epochs - 1 and "eval/final_sheet" in row
 
 
 def load_state(save: str) -> dict | str:
@@ -599,7 +592,8 @@ def command_line(args) -> str:
     words = ["python", os.path.basename(__file__)]
     for name, value in asdict(args).items():
         flag = "--" + name.replace("_", "-")
-        if value == defaults[name] or name in ["resume", "push_to_hub", "hub_model_id"]:
+        skipped = ["resume", "push_to_hub", "hub_model_id"]
+        if value == defaults[name] or name in skipped:
             continue
         if isinstance(value, bool):
             words.append(flag if value else f"--no-{flag[2:]}")
@@ -929,8 +923,7 @@ if __name__ == "__main__":
         epoch_text = encode(pipe, epoch_prompts, device, args.max_sequence_length)
         sampling_start = clock(device)
 
-        # ALGO LOGIC: sampling. The images, shuffled alike on every rank: each samples its
-        # share, a group spans ranks. AWM trains on clean samples: any solver will do.
+        # ALGO LOGIC: sampling: a rank's share of the shuffled images (any solver will do)
         group_ids = torch.arange(args.prompts_per_epoch).repeat_interleave(args.group_size)
         group_ids = group_ids[torch.randperm(images_per_epoch, generator=prompt_gen)]
         my_groups = group_ids.view(world, num_batches, args.batch_size)[rank]
@@ -1020,9 +1013,8 @@ if __name__ == "__main__":
             optimizer, scaler, lora_params, args.max_grad_norm, world, loss,
             f"epoch {epoch}, step {global_step}", run_dir)
         global_step += 1
-        # The EMA: upstream's, with its warm-up. The anchor's decay: upstream's
-        # 'linear', +0.001 a step to 0.3, so it stays near each update's
-        # start: anchor_kl is a trust region (upstream: "mimic TRPO").
+        # Upstream's EMA, its warm-up; the anchor's 'linear' decay, +0.001 a step to 0.3,
+        # keeps it near each update's start: anchor_kl is a trust region ("mimic TRPO").
         decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))
         anchor_decay = min(0.3, 0.001 * global_step)
         for ema, anchor, p in zip(ema_params, anchor_params, lora_params):

@@ -339,11 +339,8 @@ def check_args(args) -> dict | None:
         say(f"resuming from {args.resume}")
         given = {word[2:].split("=")[0].removeprefix("no-").replace("-", "_")
                  for word in sys.argv[1:] if word.startswith("--")}
-        given |= {"resume", "eval_only"}
-        if args.eval_only:  # an eval pushes nothing
-            given.add("push_to_hub")
         for name, value in state["args"].items():
-            if name not in given:
+            if name not in given | {"resume", "eval_only"}:
                 setattr(args, name, value)
     check_ranges(args)
     if args.mixed_precision == "fp16" and not torch.cuda.is_available():
@@ -373,7 +370,7 @@ def check_args(args) -> dict | None:
         if not wandb.login(prompt=False):
             fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), "
                  "or WANDB_MODE=offline")
-    if args.push_to_hub:  # found now, not after training
+    if args.push_to_hub and not args.eval_only:
         try:
             user = huggingface_hub.whoami()["name"]
         except Exception as error:  # no token, offline, no answer
@@ -391,17 +388,18 @@ def check_args(args) -> dict | None:
     if not args.eval_only and state["next_epoch"] > args.epochs:
         fail(f"--epochs {args.epochs} < the checkpoint's {state['next_epoch']}")
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(args.resume)))
-    if not args.eval_only and state["next_epoch"] == args.epochs and finished(run_dir):
+    if not args.eval_only and finished(run_dir, args.epochs):
         say(f"{run_dir} has finished")
         raise SystemExit(0)
     return state
 
 
-def finished(run_dir: str) -> bool:
-    """Whether metrics.jsonl ends in the final eval (a run's last act)."""
+def finished(run_dir: str, epochs: int) -> bool:
+    """Whether the run logged its final eval, its last act."""
     path = os.path.join(run_dir, "metrics.jsonl")
-    last = open(path).readlines()[-1:] if os.path.exists(path) else [""]
-    return last[0].endswith("}\n") and '"eval/final_sheet"' in last[0]
+    lines = open(path).readlines() if os.path.exists(path) else []
+    row = json.loads(lines[-1]) if lines and lines[-1].endswith("\n") else {}
+    return row.get("epoch") == epochs - 1 and "eval/final_sheet" in row
 
 
 def load_state(save: str) -> dict | str:
@@ -597,7 +595,8 @@ def command_line(args) -> str:
     words = ["python", os.path.basename(__file__)]
     for name, value in asdict(args).items():
         flag = "--" + name.replace("_", "-")
-        if value == defaults[name] or name in ["resume", "push_to_hub", "hub_model_id"]:
+        skipped = ["resume", "push_to_hub", "hub_model_id"]
+        if value == defaults[name] or name in skipped:
             continue
         if isinstance(value, bool):
             words.append(flag if value else f"--no-{flag[2:]}")
@@ -729,10 +728,10 @@ if __name__ == "__main__":
     if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
         run_dir = os.path.dirname(parent)  # a resume goes on in its run
 
-    # ALGO LOGIC: from images to optimizer steps. Defaults on 8 GPUs: 48 x 24 = 1152 images;
-    # per GPU, 18 micro-batches of 8, each trained at 20 timesteps (micro-steps); a step sums
-    # 9 x 20 = 180 of them (accum_steps). crd_loss centers per prompt over the GPUs' batches s,
-    # images 64 s to 64 s + 63 (image i: prompt i // 24): >= gcd(24, 64) = 8 images a prompt.
+    # ALGO LOGIC: images to optimizer steps. On 8 GPUs: 48 x 24 = 1152 images; per GPU
+    # 18 micro-batches of 8, each at 20 timesteps (micro-steps); a step sums 9 x 20 =
+    # 180 (accum_steps). crd_loss centers per prompt over the GPUs' batches s, images
+    # 64 s to 64 s + 63 (image i: prompt i // 24): >= gcd(24, 64) = 8 images a prompt.
     if num_batches % args.updates_per_epoch:
         fail(f"{num_batches} micro-batches per GPU per epoch do not split "
              f"into --updates-per-epoch {args.updates_per_epoch}")
@@ -740,8 +739,7 @@ if __name__ == "__main__":
         fail(f"--group-size {args.group_size} and {world} GPUs x --batch-size "
              f"{args.batch_size} leave a single image of a prompt in some "
              "micro-step; give them a common factor")
-    accum_steps = num_batches // args.updates_per_epoch
-    accum_steps = accum_steps * args.num_train_timesteps
+    accum_steps = num_batches // args.updates_per_epoch * args.num_train_timesteps
     if not args.eval_only:
         say(f"{world} process(es) x {num_batches} micro-batches x {args.batch_size} = "
             f"{images_per_epoch} images/epoch; {args.updates_per_epoch} updates/epoch "
@@ -936,8 +934,7 @@ if __name__ == "__main__":
         transformer.eval()
         batches = []  # (Text, x0) of each micro-batch
         futures = []  # their rewards
-        for groups in tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet,
-                           leave=False):
+        for groups in tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet, leave=False):
             text = Text(epoch_text.embeds[groups], epoch_text.pooled[groups])
             noise = torch.randn((args.batch_size, *latent_shape),
                                 generator=noise_gen, device=device)
@@ -974,16 +971,13 @@ if __name__ == "__main__":
         # ALGO LOGIC: training. Row s of the (S, W*B) tensors: all ranks' micro-batches s.
         step_advantages = advantages.view(world, num_batches, -1)
         step_advantages = step_advantages.transpose(0, 1).flatten(1).to(device)
-        step_groups = image_ids.flatten(1) // args.group_size
-        step_groups = step_groups.to(device)
+        step_groups = (image_ids.flatten(1) // args.group_size).to(device)
         transformer.train()
-        # Timesteps alike on all ranks, noise per rank
-        time_gen = seeded_generator(device, args.seed, epoch, 1)
-        train_gen = seeded_generator(device, args.seed, epoch, rank, 1)
+        time_gen = seeded_generator(device, args.seed, epoch, 1)  # timesteps: all ranks
+        train_gen = seeded_generator(device, args.seed, epoch, rank, 1)  # noise: a rank's
         stats = defaultdict(list)  # a value per micro-step
         micro_step = 0
-        progress = tqdm(batches, f"epoch {epoch} training", disable=quiet,
-                        leave=False)
+        progress = tqdm(batches, f"epoch {epoch} training", disable=quiet, leave=False)
         for index, (text, x0) in enumerate(progress):
             for sigma in train_timesteps(sigmas[:-1], args.num_train_timesteps, time_gen):
                 noise = torch.randn(x0.shape, generator=train_gen, device=device)
@@ -1014,9 +1008,8 @@ if __name__ == "__main__":
                 micro_step += 1
                 if micro_step % accum_steps == 0:
                     grad_norm = optimizer_step(
-                        optimizer, scaler, lora_params, args.max_grad_norm,
-                        world, loss, f"epoch {epoch}, step {global_step}",
-                        run_dir)
+                        optimizer, scaler, lora_params, args.max_grad_norm, world,
+                        loss, f"epoch {epoch}, step {global_step}", run_dir)
                     global_step += 1
         # Upstream's EMAModuleWrapper, every ema_every epochs (warm-up: epochs); 0: the LoRA
         if (epoch + 1) % args.ema_every == 0 or args.ema_decay == 0:

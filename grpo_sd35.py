@@ -323,11 +323,8 @@ def check_args(args) -> dict | None:
         say(f"resuming from {args.resume}")
         given = {word[2:].split("=")[0].removeprefix("no-").replace("-", "_")
                  for word in sys.argv[1:] if word.startswith("--")}
-        given |= {"resume", "eval_only"}
-        if args.eval_only:  # an eval pushes nothing
-            given.add("push_to_hub")
         for name, value in state["args"].items():
-            if name not in given:
+            if name not in given | {"resume", "eval_only"}:
                 setattr(args, name, value)
     check_ranges(args)
     if args.mixed_precision == "fp16" and not torch.cuda.is_available():
@@ -357,7 +354,7 @@ def check_args(args) -> dict | None:
         if not wandb.login(prompt=False):
             fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), "
                  "or WANDB_MODE=offline")
-    if args.push_to_hub:  # found now, not after training
+    if args.push_to_hub and not args.eval_only:
         try:
             user = huggingface_hub.whoami()["name"]
         except Exception as error:  # no token, offline, no answer
@@ -375,17 +372,18 @@ def check_args(args) -> dict | None:
     if not args.eval_only and state["next_epoch"] > args.epochs:
         fail(f"--epochs {args.epochs} < the checkpoint's {state['next_epoch']}")
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(args.resume)))
-    if not args.eval_only and state["next_epoch"] == args.epochs and finished(run_dir):
+    if not args.eval_only and finished(run_dir, args.epochs):
         say(f"{run_dir} has finished")
         raise SystemExit(0)
     return state
 
 
-def finished(run_dir: str) -> bool:
-    """Whether metrics.jsonl ends in the final eval (a run's last act)."""
+def finished(run_dir: str, epochs: int) -> bool:
+    """Whether the run logged its final eval, its last act."""
     path = os.path.join(run_dir, "metrics.jsonl")
-    last = open(path).readlines()[-1:] if os.path.exists(path) else [""]
-    return last[0].endswith("}\n") and '"eval/final_sheet"' in last[0]
+    lines = open(path).readlines() if os.path.exists(path) else []
+    row = json.loads(lines[-1]) if lines and lines[-1].endswith("\n") else {}
+    return row.get("epoch") == epochs - 1 and "eval/final_sheet" in row
 
 
 def load_state(save: str) -> dict | str:
@@ -581,7 +579,8 @@ def command_line(args) -> str:
     words = ["python", os.path.basename(__file__)]
     for name, value in asdict(args).items():
         flag = "--" + name.replace("_", "-")
-        if value == defaults[name] or name in ["resume", "push_to_hub", "hub_model_id"]:
+        skipped = ["resume", "push_to_hub", "hub_model_id"]
+        if value == defaults[name] or name in skipped:
             continue
         if isinstance(value, bool):
             words.append(flag if value else f"--no-{flag[2:]}")
@@ -775,7 +774,7 @@ if __name__ == "__main__":
 
     # ALGO LOGIC: the sigma grids, the algorithm's LoRA snapshots
     pipe.scheduler.set_timesteps(args.num_steps, device=device)
-    sigmas = pipe.scheduler.sigmas.float()  # (T+1,) 1 to 0, SD3's shifted schedule
+    sigmas = pipe.scheduler.sigmas.float()  # (T+1,) 1 to 0, SD3's shifted grid
     pipe.scheduler.set_timesteps(args.eval_num_steps, device=device)
     eval_sigmas = pipe.scheduler.sigmas.float()
     snapshots = {}  # GRPO keeps no LoRA copy but the EMA
@@ -937,7 +936,7 @@ if __name__ == "__main__":
             window = sde_window(window_size, window_range, args.num_steps, noise_gen,
                                 epoch, args.window_shift_every, args.window_stride)
             steps = range(*window)
-            if args.sde_random_steps:  # UniRL's: an epoch's draw, on all ranks
+            if args.sde_random_steps:  # UniRL's: one draw an epoch, all ranks
                 steps = sde_steps(args.sde_random_steps, window_range, epoch)
             out = rollout(partial(velocity, text=text), noise, sigmas, steps,
                           args.sde_kind, args.noise_level, noise_gen)
@@ -969,7 +968,7 @@ if __name__ == "__main__":
                                  for group in range(args.prompts_per_epoch)])
         training_start = clock(device)
 
-        # ALGO LOGIC: training: a micro-step backpropagates grpo_loss on a stored step
+        # ALGO LOGIC: training: grpo_loss on each stored step (a micro-step)
         my_advantages = advantages.view(world, num_batches, args.batch_size)[rank].to(device)
         transformer.train()
         stats = defaultdict(list)  # a value per micro-step
