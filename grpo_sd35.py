@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import transformers
 import tyro
-# Without torchvision, transformers warns that it uses PIL image processors: we do.
+# Without torchvision, transformers warns it uses PIL processors: we do.
 logging.getLogger("transformers.utils.import_utils").addFilter(
     lambda record: "requires torchvision" not in record.getMessage())
 import diffusers  # noqa: E402 (after the filter)
@@ -257,7 +257,7 @@ def grpo_loss(*, log_prob, old_log_prob, advantages, mean, old_mean, std, ref_me
         stats["dppo_masked_frac"] = 1 - keep.float().mean().item()
         stats["dppo_old_kl"] = old_kl.mean().item()
         stats["dppo_old_kl_max"] = old_kl.max().item()
-        policy_loss = torch.where(keep, -advantages * ratio, 0.0).mean()  # as UniRL's
+        policy_loss = torch.where(keep, -advantages * ratio, 0.0).mean()  # UniRL's
     else:
         advantages = advantages.clamp(-adv_clip, adv_clip)
         clipped_ratio = ratio.clamp(1 - clip_range, 1 + clip_range)
@@ -372,18 +372,19 @@ def check_args(args) -> dict | None:
     if not args.eval_only and state["next_epoch"] > args.epochs:
         fail(f"--epochs {args.epochs} < the checkpoint's {state['next_epoch']}")
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(args.resume)))
-    if not args.eval_only and finished(run_dir, args.epochs):
+    if not args.eval_only and finished(run_dir, state["next_epoch"], args.epochs):
         say(f"{run_dir} has finished")
         raise SystemExit(0)
     return state
 
 
-def finished(run_dir: str, epochs: int) -> bool:
-    """Whether the run logged its final eval, its last act."""
+def finished(run_dir: str, next_epoch: int, epochs: int) -> bool:
+    """Whether a run at its last epoch logged its final eval."""
     path = os.path.join(run_dir, "metrics.jsonl")
     lines = open(path).readlines() if os.path.exists(path) else []
     row = json.loads(lines[-1]) if lines and lines[-1].endswith("\n") else {}
-    return row.get("epoch") == epochs - 1 and "eval/final_sheet" in row
+    logged = row.get("epoch", -2) + 1
+    return next_epoch == epochs == logged and "eval/final_sheet" in row
 
 
 def load_state(save: str) -> dict | str:
@@ -633,7 +634,7 @@ def prepare_run_dir(run_dir: str, start_epoch: int):
 
 
 def contact_sheet(title: str, rows: list) -> Image.Image:
-    """A title, then each row's label over its images (H, W, 3), the rows 640 wide."""
+    """A title, then rows: a label over its images (H, W, 3); 640 px wide."""
     columns = max(len(images) for _, images in rows)
     size = max(rows[0][1][0].shape[0], 640 // columns)
     sheet = Image.new("RGB", (size * columns, 24 + len(rows) * (size + 24)), "white")

@@ -7,6 +7,9 @@ with the fault in environment variables:
     FAULT_FULL_DISK=NAME  writing a file whose name ends with NAME raises ENOSPC
     FAULT_LORA_LOADS=FILE every folder a pipeline's load_lora_weights reads is appended to FILE
                           (the load itself goes on as usual)
+    FAULT_KILL_ON_LORA_LOAD=1  the process kills itself (SIGKILL) when a pipeline's
+                          load_lora_weights is called: a preemption during the final eval, which
+                          loads the last checkpoint's saved LoRA after that checkpoint is written
     FAULT_HUB=FILE        the Hub answers whoami as user "tester", and create_repo and
                           upload_folder append their arguments to FILE as JSON lines instead
                           of sending anything
@@ -17,6 +20,7 @@ import errno
 import json
 import os
 import runpy
+import signal
 import sys
 from unittest import mock
 
@@ -32,11 +36,13 @@ if "FAULT_FULL_DISK" in os.environ:
         return real_open(path, mode, *args, **kwargs)
 
     patches.append(mock.patch("builtins.open", full_open))
-if "FAULT_LORA_LOADS" in os.environ:
+if "FAULT_LORA_LOADS" in os.environ or "FAULT_KILL_ON_LORA_LOAD" in os.environ:
     from diffusers.loaders import FluxLoraLoaderMixin, SD3LoraLoaderMixin
 
     def recording(load):
         def load_lora_weights(self, folder, *args, **kwargs):
+            if "FAULT_KILL_ON_LORA_LOAD" in os.environ:
+                os.kill(os.getpid(), signal.SIGKILL)
             with open(os.environ["FAULT_LORA_LOADS"], "a") as file:
                 file.write(f"{folder}\n")
             return load(self, folder, *args, **kwargs)

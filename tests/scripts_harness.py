@@ -51,10 +51,14 @@ def script_env() -> dict:
 
 
 def run_script(script: str, flags: list[str], nproc: int = 1, check: bool = True,
-               env: dict | None = None):
+               env: dict | None = None, faults: dict | None = None):
     """Run a training script to completion; returns its run directory (the only one under
-    --output-dir), or with check=False the finished process. env: variables to override."""
-    if nproc == 1:
+    --output-dir), or with check=False the finished process. env: variables to override;
+    faults: tests/faults.py's variables, the script then runs under it (one process)."""
+    if faults:
+        env = {**(env or {}), **faults}
+        command = [sys.executable, "tests/faults.py", script]
+    elif nproc == 1:
         command = [sys.executable, script]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -72,10 +76,49 @@ def run_script(script: str, flags: list[str], nproc: int = 1, check: bool = True
     return runs[0]
 
 
+def pushed_run(script: str, flags: list[str]) -> Path:
+    """run_script with --push-to-hub and the Hub a recorder (tests/faults.py FAULT_HUB): its
+    calls go to hub.jsonl beside --output-dir's folder, read by assert_pushed."""
+    out = Path(flags[flags.index("--output-dir") + 1])
+    hub = out.parent / f"{out.name}.hub.jsonl"
+    return run_script(script, flags + ["--push-to-hub"], faults={"FAULT_HUB": str(hub)})
+
+
+def assert_pushed(run_dir: Path, script: str, epochs: int):
+    """What pushed_run's script sent: it made the public repository tester/EXP_NAME and uploaded
+    the last checkpoint's ema_lora/ alone (the weights, readable by all like state.pt, the eval
+    sheet, and a model card in the Hub's format with an import line in its snippet, the Hub id
+    to load, and the command that trains it again)."""
+    import huggingface_hub
+
+    hub = run_dir.parent.parent / f"{run_dir.parent.name}.hub.jsonl"
+    calls = [json.loads(line) for line in hub.read_text().splitlines()]
+    repo = f"tester/{script[:-3]}"
+    last = run_dir / "checkpoints" / f"epoch_{epochs:05d}" / "ema_lora"
+    assert calls == [
+        {"call": "create_repo", "args": [repo], "private": False, "exist_ok": True},
+        {"call": "upload_folder", "args": [], "repo_id": repo, "folder_path": str(last)}]
+    assert sorted(path.name for path in last.iterdir()) == [
+        "README.md", "eval_sheet.png", "pytorch_lora_weights.safetensors"]
+    card = huggingface_hub.ModelCard((last / "README.md").read_text())
+    assert set(card.data.tags) == {"diffusers", "lora", "text-to-image", script[:-3]}
+    assert ("from diffusers import DiffusionPipeline\n"
+            f'pipe = DiffusionPipeline.from_pretrained("{card.data.base_model}")\n'
+            f'pipe.load_lora_weights("{repo}")\n') in card.text
+    assert f"Trained with `python {script} " in card.text
+    metrics = read_metrics(run_dir)[-1]
+    assert f"{metrics['eval/final_reward_mean']:.4f} ± " in card.text
+    sheet = run_dir / f"eval_{epochs:05d}.png"
+    assert (last / "eval_sheet.png").read_bytes() == sheet.read_bytes()
+    mode = (last.parent / "state.pt").stat().st_mode
+    assert (last / "pytorch_lora_weights.safetensors").stat().st_mode == mode
+
+
 def assert_bad_input(script: str, flags: list[str], message: str, env: dict | None = None,
                      in_process: bool = True):
-    """The script exits non-zero with a one-line `error: ...` naming the problem, loads no
-    model, and leaves no run directory.
+    """The script exits non-zero with a one-line `error: ...` naming the problem (`message` in
+    it, or the whole line if `message` starts with "error: "), loads no model, and leaves no
+    run directory.
 
     in_process=False runs the real command line (a fresh interpreter: ~15 s of imports per
     case, so each script's tests keep one such case). in_process=True runs the script's
@@ -101,6 +144,8 @@ def assert_bad_input(script: str, flags: list[str], message: str, env: dict | No
                                  text=True, timeout=300)
         assert process.returncode != 0
         last = process.stderr.strip().splitlines()[-1]
+    if message.startswith("error: "):  # the whole line
+        assert last == message, last
     assert last.startswith("error:") and message in last, last
     out = Path(flags[flags.index("--output-dir") + 1])
     assert not out.exists() or not any(out.iterdir()), list(out.iterdir())
@@ -288,6 +333,9 @@ def assert_common_run(run_dir: Path, epochs: int) -> list[dict]:
     assert not any(path.name.startswith(".") for path in (run_dir / "checkpoints").iterdir())
     state = torch.load(last / "state.pt", map_location="cpu")
     assert state["next_epoch"] == epochs
+    for folder in ["lora", "ema_lora"]:  # readable as state.pt (safetensors writes 0600)
+        weights = last / folder / "pytorch_lora_weights.safetensors"
+        assert weights.stat().st_mode == (last / "state.pt").stat().st_mode
     lora = load_file(last / "lora" / "pytorch_lora_weights.safetensors")
     lora_b = [tensor for name, tensor in lora.items() if "lora_B" in name]
     # LoRA B starts at zero: nonzero means it trained

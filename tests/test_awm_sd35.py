@@ -15,6 +15,7 @@ from sde import sde_step
 from scripts_harness import (TOY_REWARD, assert_accuracy_rose, assert_bad_input, assert_common_run,
                              cut_back_copy, learning_run, lora_tensors, read_metrics, run_script,
                              tiny_sd35_flags)
+from scripts_harness import assert_pushed, pushed_run
 
 SCRIPT = "awm_sd35.py"
 # tiny runs: 2 samples x 2 timesteps per forward
@@ -185,7 +186,11 @@ def test_sde_sample_is_eulers_ode_or_the_flow_sde_step_by_step():
 def one_process_run(tiny_sd3, tmp_path_factory):
     out = tmp_path_factory.mktemp("awm1")
     flags = FAST + ["--epochs", "2", "--kl-beta", "0.01"]
-    return run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, out) + flags)
+    return pushed_run(SCRIPT, tiny_sd35_flags(tiny_sd3, out) + flags)  # the Hub a recorder
+
+
+def test_push_sends_the_final_ema_lora_with_its_card(one_process_run):
+    assert_pushed(one_process_run, SCRIPT, epochs=2)
 
 
 def test_one_process_run(one_process_run):
@@ -219,7 +224,8 @@ def test_resume_matches_uninterrupted_run(tiny_sd3, tmp_path, one_process_run):
     flags = FAST + ["--kl-beta", "0.01"]
     first = cut_back_copy(one_process_run, tmp_path / "a")  # as if it had stopped after epoch 1
     resumed = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path / "a") + flags + [
-        "--epochs", "2", "--resume", str(first / "checkpoints" / "epoch_00001")])
+        "--epochs", "2", "--resume", str(first / "checkpoints" / "epoch_00001"),
+        "--no-push-to-hub"])  # the run pushed (to a recorder); a flag given wins
     # it continues its run directory
     assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]
     last = Path("checkpoints") / "epoch_00002" / "state.pt"

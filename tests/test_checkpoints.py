@@ -131,7 +131,8 @@ def test_files_and_modes_that_cannot_work_fail_before_the_model_loads(tiny_sd3, 
             (["--test-prompts", str(tmp_path / "no_prompt.jsonl")], "with a 'prompt'"),
             (["--mixed-precision", "fp16"], fp16),
             (["--lora-targets", "to_q", "attn.to_qq"], "--lora-targets attn.to_qq names no"),
-            (["--push-to-hub"], "--push-to-hub needs a Hub login (hf auth login)")]:
+            (["--push-to-hub"], "error: --push-to-hub needs a Hub login (hf auth login): "
+                                "LocalTokenNotFoundError")]:
         assert_bad_input(script, flags + extra, message)
 
 
@@ -214,8 +215,9 @@ def test_resume_refuses_what_it_cannot_continue(tiny_sd3, tmp_path, grpo_lora_ru
                      "--lora-rank 8 differs")
     assert_bad_input("grpo_sd35.py", base + resume + ["--lora-rank", "4", "--lora-alpha", "4"],
                      "--lora-alpha 4 differs")
-    assert_bad_input("grpo_sd35.py", base + LORA + ["--epochs", "1", "--resume", str(checkpoint)],
-                     "not past")
+    last = grpo_lora_run / "checkpoints" / "epoch_00002"
+    assert_bad_input("grpo_sd35.py", base + LORA + ["--epochs", "1", "--resume", str(last)],
+                     "error: --epochs 1 < the checkpoint's 2")
     # a checkpoint of grpo_sd35.py in any other script: refused before the model loads
     for other in ["crd_sd35.py", "nft_sd35.py", "awm_sd35.py"]:
         assert_bad_input(other, base + resume, "is not a checkpoint of " + other)
@@ -283,25 +285,50 @@ def test_prepare_run_dir_drops_redone_epochs_and_crashed_saves(tmp_path):
     assert list((tmp_path / "checkpoints").iterdir()) == []
 
 
-def test_resume_latest_starts_then_continues_in_the_same_run(tiny_sd3, tmp_path):
-    """`--resume latest` (a launcher's restart loop): no save of this exp-name and seed yet
-    starts a run; a later launch continues the newest save in its run directory."""
-    flags = tiny_sd35_flags(tiny_sd3, tmp_path / "out") + ["--resume", "latest"]
-    run_dir = run_script("grpo_sd35.py", flags + ["--epochs", "2"])
-    resumed = run_script("grpo_sd35.py", flags + ["--epochs", "3"])
-    assert resumed == run_dir  # the same (only) run directory, continued
+def test_a_short_relaunch_finishes_what_a_kill_after_the_last_checkpoint_left(
+        tiny_sd3, tmp_path, grpo_lora_run):
+    """`--resume latest` as a launcher's restart loop or a scheduler's requeue uses it. No save
+    of this exp-name and seed yet: a run starts. Killed (SIGKILL, tests/faults.py) as its final
+    eval loads the saved LoRA, after the last checkpoint: a relaunch with `--resume latest
+    --output-dir OUT` and no other flag takes every flag from the checkpoint and does what was
+    left (the final eval of the saved file, the cards, the last line), the same as the
+    uninterrupted run's (grpo_lora_run, same flags), and exits 0. Launched again, it says the
+    run has finished and exits 0; with a larger --epochs it continues in the same run."""
+    out = tmp_path / "out"
+    flags = tiny_sd35_flags(tiny_sd3, out) + GRPO_LORA + ["--resume", "latest"]
+    killed = run_script("grpo_sd35.py", flags, check=False,
+                        faults={"FAULT_KILL_ON_LORA_LOAD": "1"})
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    (run_dir,) = out.iterdir()
+    assert [m["epoch"] for m in read_metrics(run_dir)] == [0]  # the last line comes last
+    assert not (run_dir / "checkpoints" / "epoch_00002" / "ema_lora" / "README.md").exists()
+    short = ["--resume", "latest", "--output-dir", str(out)]
+    assert run_script("grpo_sd35.py", short) == run_dir
+    without_timings = [{key: value for key, value in row.items() if not key.startswith("perf/")}
+                       for row in read_metrics(run_dir)]
+    assert without_timings == [{key: value for key, value in row.items()
+                                if not key.startswith("perf/")}
+                               for row in read_metrics(grpo_lora_run)]
+    assert (run_dir / "checkpoints" / "epoch_00002" / "ema_lora" / "README.md").is_file()
+    logged = (run_dir / "metrics.jsonl").read_text()
+    again = run_script("grpo_sd35.py", short, check=False)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"{run_dir} has finished" in again.stdout.splitlines()
+    assert (run_dir / "metrics.jsonl").read_text() == logged
+    assert run_script("grpo_sd35.py", short + ["--epochs", "3"]) == run_dir
     assert [m["epoch"] for m in read_metrics(run_dir)] == [0, 1, 2]
     assert (run_dir / "checkpoints" / "epoch_00003" / "state.pt").is_file()
 
 
 def test_sheet_has_a_row_per_distinct_test_prompt(tiny_sd3, tmp_path):
-    """2 prompts x 6 samples: a labelled row per prompt of its first 4 samples, cells of 128
-    px under a 24 px label (the first 16 lines would fill 4 x 3 with mixed prompts)."""
+    """2 prompts x 6 samples: under the title, a labelled row per prompt of its first 4
+    samples, cells of 160 px (4 fill the 640 px) under a 24 px label (the first 16 lines
+    would fill 4 x 3 with mixed prompts)."""
     prompts = tmp_path / "repeated.txt"
     prompts.write_text("a red square\n" * 6 + "a blue circle\n" * 6)
     flags = tiny_sd35_flags(tiny_sd3, tmp_path / "out") + ["--test-prompts", str(prompts),
                                                           "--epochs", "1"]
     run_dir = run_script("grpo_sd35.py", flags)
-    with Image.open(run_dir / "eval_00000.png") as sheet:
-        assert sheet.size == (640, 2 * (128 + 24))
+    with Image.open(run_dir / "eval_00000.png") as sheet:  # 4 cells of 160 px a row
+        assert sheet.size == (640, 24 + 2 * (160 + 24))
     assert read_metrics(run_dir)[0]["eval/diversity"] > 0  # 2 groups of 6

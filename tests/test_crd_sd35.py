@@ -13,6 +13,7 @@ from crd_sd35 import (blend_snapshot, crd_implicit_reward, crd_loss, sigma_grid,
 from scripts_harness import (TOY_REWARD, assert_accuracy_rose, assert_bad_input, assert_common_run,
                              assert_eval_only_reproduces, cut_back_copy, learning_run,
                              lora_tensors, read_metrics, run_script, tiny_sd35_flags)
+from scripts_harness import assert_pushed, pushed_run
 
 SCRIPT = "crd_sd35.py"
 
@@ -212,7 +213,12 @@ def snapshot_tensors(checkpoint, key):
 
 @pytest.fixture(scope="module")
 def one_process_run(tiny_sd3, tmp_path_factory):
-    return run_script(SCRIPT, flags(tiny_sd3, tmp_path_factory.mktemp("crd1"), "--epochs", "2"))
+    out = tmp_path_factory.mktemp("crd1")
+    return pushed_run(SCRIPT, flags(tiny_sd3, out, "--epochs", "2"))  # the Hub a recorder
+
+
+def test_push_sends_the_final_ema_lora_with_its_card(one_process_run):
+    assert_pushed(one_process_run, SCRIPT, epochs=2)
 
 
 def test_one_process_run_snapshots_follow_their_schedules(one_process_run):
@@ -269,7 +275,8 @@ def test_frozen_old_and_half_blended_sampler(frozen_old_run):
 def test_resume_restores_all_three_lora_states(tiny_sd3, tmp_path, one_process_run):
     first = cut_back_copy(one_process_run, tmp_path / "a")  # as if it had stopped after epoch 1
     resumed = run_script(SCRIPT, flags(tiny_sd3, tmp_path / "a", "--epochs", "2", "--resume",
-                                       str(first / "checkpoints" / "epoch_00001")))
+                                       str(first / "checkpoints" / "epoch_00001"),
+                                       "--no-push-to-hub"))  # a flag given wins
     # it continues its run dir
     assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]
     full = one_process_run / "checkpoints" / "epoch_00002"

@@ -33,7 +33,7 @@ def test_evals_report_a_standard_error_over_prompts_and_seeds(seeded_run):
     # each seed draws its own noise: two samples of one prompt differ
     assert first["eval/diversity"] > 0
     sheet = Image.open(seeded_run / "eval_00000.png")
-    assert sheet.size == (640, 4 * (128 + 24))  # 4 test prompts, 2 samples each
+    assert sheet.size == (640, 24 + 4 * (320 + 24))  # 4 test prompts, 2 samples each
 
 
 def test_eval_only_needs_only_the_checkpoint(seeded_run, tmp_path):
@@ -53,14 +53,18 @@ def test_eval_only_needs_only_the_checkpoint(seeded_run, tmp_path):
     assert row["eval/reward_stderr"] == final["eval/final_reward_stderr"]
 
 
-def test_the_contact_sheet_labels_each_row():
+def test_the_contact_sheet_has_a_title_labels_each_row_and_no_blank_strip():
+    """A 24 px title, then per row a 24 px label over its images; the cells fill 640 px (2
+    columns: 320 px each), so only a row with fewer images than the widest leaves white."""
     red = np.zeros((32, 32, 3), np.uint8)
     red[..., 0] = 255
-    sheet = grpo_sd35.contact_sheet([("0.500  a prompt", [red, red]), ("0.250  b", [red])])
-    assert sheet.size == (640, 2 * (128 + 24))  # cells of 128 px, a 24 px label above
+    sheet = grpo_sd35.contact_sheet("grpo_sd35.py after 2 epochs: 0.5000 ± 0.0100",
+                                    [("0.500  a prompt", [red, red]), ("0.250  b", [red])])
+    assert sheet.size == (640, 24 + 2 * (320 + 24))
     pixels = np.asarray(sheet)
-    assert (pixels[:24] < 128).any()  # the label's text
-    assert (pixels[24:152, :256, 0] == 255).all() and (pixels[24:152, 256:] == 255).all()
+    assert (pixels[:24, :400] < 128).any() and (pixels[24:48, :200] < 128).any()  # text
+    assert (pixels[48:368, :, 0] == 255).all() and (pixels[48:368, :, 1:] == 0).all()
+    assert (pixels[392:712, :320, 0] == 255).all() and (pixels[392:712, 320:] == 255).all()
 
 
 def test_a_bom_is_not_part_of_the_first_prompt(tmp_path):

@@ -12,6 +12,7 @@ from sde import compute_advantages, group_advantages, ratio_norm_log_ratio, sde_
 from scripts_harness import (TOY_REWARD, assert_accuracy_rose, assert_bad_input, assert_common_run,
                              assert_eval_only_reproduces, cut_back_copy, learning_run,
                              lora_tensors, read_metrics, run_script, tiny_sd35_flags)
+from scripts_harness import assert_pushed, pushed_run
 from sde import gaussian_log_prob, sde_step
 
 SCRIPT = "grpo_sd35.py"
@@ -274,7 +275,11 @@ def test_ratio_norm_is_mean_of_noise_times_mean_shift_at_any_step_std():
 def one_process_run(tiny_sd3, tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo1")
     flags = tiny_sd35_flags(tiny_sd3, out) + ["--epochs", "2", "--kl-beta", "0.04"]
-    return run_script(SCRIPT, flags)
+    return pushed_run(SCRIPT, flags)  # the Hub a recorder
+
+
+def test_push_sends_the_final_ema_lora_with_its_card(one_process_run):
+    assert_pushed(one_process_run, SCRIPT, epochs=2)
 
 
 def test_one_process_run(one_process_run):
@@ -306,7 +311,8 @@ def test_ema_moves_per_micro_batch_at_upstreams_interval(tiny_sd3, tmp_path):
 
 def test_resume_matches_uninterrupted_run(tiny_sd3, tmp_path, one_process_run):
     first = cut_back_copy(one_process_run, tmp_path / "a")  # as if it had stopped after epoch 1
-    resume = ["--resume", str(first / "checkpoints" / "epoch_00001")]
+    # the run pushed (to a recorder); a flag given on the command line wins
+    resume = ["--resume", str(first / "checkpoints" / "epoch_00001"), "--no-push-to-hub"]
     resumed = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path / "a")
                          + ["--epochs", "2", "--kl-beta", "0.04"] + resume)
     # it continues its run directory
@@ -429,7 +435,8 @@ def test_sliding_window_moves_with_the_epoch(tiny_sd3, tmp_path):
 
 def test_window_run_resumes_exactly(tiny_sd3, tmp_path, fast_run):
     first = cut_back_copy(fast_run[0], tmp_path / "a")  # as if it had stopped after epoch 1
-    resume = ["--resume", str(first / "checkpoints" / "epoch_00001")]
+    # the run pushed (to a recorder); a flag given on the command line wins
+    resume = ["--resume", str(first / "checkpoints" / "epoch_00001"), "--no-push-to-hub"]
     resumed, _ = run_printing(tiny_sd35_flags(tiny_sd3, tmp_path / "a") + FAST_NOCFG
                               + ["--epochs", "2"] + resume)
     want = lora_tensors(fast_run[0] / "checkpoints" / "epoch_00002")

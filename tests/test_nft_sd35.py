@@ -10,6 +10,7 @@ from nft_sd35 import dpm_sample, nft_loss, old_decay
 from scripts_harness import (assert_accuracy_rose, assert_bad_input, assert_common_run,
                              assert_eval_only_reproduces, cut_back_copy, learning_run,
                              lora_tensors, read_metrics, run_script, tiny_sd35_flags)
+from scripts_harness import assert_pushed, pushed_run
 
 SCRIPT = "nft_sd35.py"
 
@@ -133,7 +134,12 @@ def old_tensors(checkpoint):
 @pytest.fixture(scope="module")
 def one_process_run(tiny_sd3, tmp_path_factory):
     out = tmp_path_factory.mktemp("nft1")
-    return run_script(SCRIPT, flags(tiny_sd3, out, "--epochs", "2", "--decay-type", "1"))
+    # the Hub a recorder
+    return pushed_run(SCRIPT, flags(tiny_sd3, out, "--epochs", "2", "--decay-type", "1"))
+
+
+def test_push_sends_the_final_ema_lora_with_its_card(one_process_run):
+    assert_pushed(one_process_run, SCRIPT, epochs=2)
 
 
 def test_one_process_run_old_policy_follows_its_schedule(one_process_run):
