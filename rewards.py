@@ -137,9 +137,9 @@ def read_reply(reward, url, raw: bytes, count: int, parse):
             if numbers.shape != (count,) or not numbers.isfinite().all():
                 shown = one_line(repr(numbers.tolist()), 120)
                 raise ValueError(f"expected {count} finite numbers, got {shown}")
-    except Exception as error:
-        reason = f"{type(error).__name__}: {one_line(error)}"
-        raise RewardError(reward, f"reward server {url} sent a malformed reply ({reason})")
+    except Exception as error:  # the cause in the one line, not a chained traceback
+        raise RewardError(reward, f"reward server {url} sent a malformed reply "
+                                  f"({type(error).__name__}: {one_line(error)})") from None
     return scores, info
 
 # ---- OCR (Flow-GRPO's text-rendering reward) ----

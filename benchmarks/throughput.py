@@ -434,11 +434,11 @@ def main(args: Args):
             continue
         f = S.flops
 
-        def per_s(key):
+        def per_s(key, r=r):  # this row's r (bound now, not when called)
             return B / r[key] if r.get(key) else nan
 
-        def mfu(key):
-            return f[key] / r[f"{key}_s"] / S.peak if f[key] and r.get(f"{key}_s") else nan
+        def mfu(key, r=r, f=f, peak=S.peak):
+            return f[key] / r[f"{key}_s"] / peak if f[key] and r.get(f"{key}_s") else nan
 
         compile_s = nan
         if "compile" in mods:

@@ -234,7 +234,7 @@ def main(args: Args):
             for p in lora:
                 p.grad = None
 
-        def mfu(key):
+        def mfu(key, r=r):  # this row's r (bound now, not when called)
             return flops[key] / r[f"{key}_s"] / peak if flops[key] else nan
 
         compile_s = nan

@@ -94,6 +94,30 @@ def test_shared_segments_are_verbatim_copies_of_the_template(script):
         assert got == want, f"{script}: the segment `{tag}` differs from {TEMPLATE}'s"
 
 
+def imported_names(text: str) -> set[str]:
+    """The names a module's top-level imports bind (`import a.b` binds a)."""
+    names = set()
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.Import):
+            names |= {alias.asname or alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names |= {alias.asname or alias.name for alias in node.names}
+    return names
+
+
+@pytest.mark.parametrize("script", SCRIPTS[1:])
+def test_what_the_shared_blocks_use_is_imported(script):
+    """A copied block needs its imports copied too: every name the template imports that a
+    script's shared segments use is imported by that script (a missing `import
+    huggingface_hub` once broke --push-to-hub in three scripts while their blocks matched)."""
+    text = read_tagged(script)
+    shared = "\n".join(shared_segments(text))
+    used = {name for name in imported_names(read(TEMPLATE))
+            if re.search(rf"(?<![.\w]){name}\b", shared)}
+    missing = sorted(used - imported_names(text))
+    assert not missing, f"{script} uses {missing} in its shared blocks without importing them"
+
+
 @pytest.mark.parametrize("script", SD35_SCRIPTS[1:])
 def test_generic_args_are_verbatim_copies_of_the_template(script):
     other = generic_args(read_tagged(script))

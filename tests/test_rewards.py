@@ -210,6 +210,7 @@ def test_importing_rewards_is_silent_and_loads_no_model_library():
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert (done.returncode, done.stdout, done.stderr) == (0, "[]\n", "")
 
+
 # ---------------------------------------------------------------- JPEG and combinations
 def test_jpeg_by_hand_and_weighted_sum():
     images = torch.rand(2, 3, 32, 32)

@@ -522,7 +522,7 @@ def test_ratio_norm_golden_at_upstreams_shapes_with_the_clip_active():
     ratio = normed.exp()
     assert ((ratio - 1).abs() > 2e-6).tolist() == [True] * 3 + [False] + [True] * 5
     advantage = torch.tensor([1.2, -0.7, 0.3, -1.5, 0.9, -0.2, 2.0, -1.1, 0.6])
-    clipped = ratio.clamp(1 - 2e-6, 1 + 2e-6)
+
     def ppo_loss(ratio):
         clipped = ratio.clamp(1 - 2e-6, 1 + 2e-6)
         return torch.maximum(-advantage * ratio, -advantage * clipped).mean() / dt
