@@ -12,6 +12,7 @@ right.
     python benchmarks/demo_sheet.py --out docs/images/crd_demo_sheet.png --scale 2
 """
 
+import importlib
 import json
 import os
 import re
@@ -37,16 +38,33 @@ class Args:
 
 
 def readme_demo() -> list[str]:
-    """argv of the `python X.py ...` command in README's CPU demo: the ```bash block right after
-    a paragraph that says "CPU demo" (as tests/test_readme.py finds it)."""
+    """argv (script and flags) of the `OMP_NUM_THREADS=1 python X.py --toy` command in README's
+    CPU demo: the ```bash block right after a paragraph that says "CPU demo" (as
+    tests/test_readme.py finds it); the variables set before `python` are left out."""
     parts = (REPO / "README.md").read_text().split("```")  # prose, code, prose, code, ...
     blocks = [parts[i][len("bash"):] for i in range(1, len(parts), 2) if parts[i].startswith(
         "bash\n") and "CPU demo" in parts[i - 1].rstrip().split("\n\n")[-1]]
-    commands = [line.strip() for block in blocks
-                for line in re.sub(r"\\\n\s*", " ", block).splitlines()
-                if line.strip().startswith("python ")]
+    commands = []
+    for block in blocks:
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            argv = shlex.split(line)
+            while argv and re.match(r"[A-Za-z_][A-Za-z0-9_]*=", argv[0]):  # OMP_NUM_THREADS=1
+                argv = argv[1:]
+            if argv[:1] == ["python"]:
+                commands.append(argv[1:])
     assert len(commands) == 1, commands
-    return shlex.split(commands[0])[1:]
+    return commands[0]
+
+
+def demo_test_prompts(argv: list[str]) -> str:
+    """The demo's --test-prompts as the script's main parses its flags (with --toy, TOY's flags
+    are the defaults and those given win)."""
+    sys.path.insert(0, str(REPO))
+    module = importlib.import_module(argv[0][: -len(".py")])
+    args = tyro.cli(module.Args, args=argv[1:])
+    if args.toy:
+        args = tyro.cli(module.Args, args=argv[1:], default=module.Args(**module.TOY, toy=True))
+    return args.test_prompts
 
 
 def run_demo(argv: list[str], out: Path) -> Path:
@@ -74,7 +92,7 @@ def panel(sheet: Path, title: str, scale: int, font) -> Image.Image:
 
 def main(args: Args):
     argv = readme_demo()
-    script, test_file = argv[0], REPO / argv[argv.index("--test-prompts") + 1]
+    script, test_file = argv[0], REPO / demo_test_prompts(argv)
     samples = sum(1 for line in test_file.open() if line.strip())
     with tempfile.TemporaryDirectory(prefix="demo-sheet-") as tmp:
         run_dir = run_demo(argv, Path(tmp))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from same_behaviour import readme_demos  # noqa: E402  (the five demo lines)
+from same_behaviour import main_args, readme_demos  # noqa: E402  (the five demo lines)
 from toy_demos import SCRIPTS, run  # noqa: E402  (run: one CPU process, toy_demos' env)
 
 
@@ -41,7 +41,7 @@ def evals(metrics: list[dict]) -> list[list]:
 
 
 def one_run(name: str, flags: list[str], work: Path) -> dict:
-    epochs = int(flags[max(i for i, flag in enumerate(flags) if flag == "--epochs") + 1])
+    epochs = main_args(SCRIPTS[name], flags).epochs  # `--toy`: TOY's, unless --epochs is given
     flags = [*flags, "--eval-every", str(max(1, round(epochs / 4)))]
     out = work / name
     out.mkdir()

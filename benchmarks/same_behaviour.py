@@ -94,12 +94,34 @@ def tiny(*extra: str) -> list[str]:
 
 
 def readme_demos() -> dict[str, list[str]]:
-    """{script: flags} of the five CPU demo lines (docs/toy_world.md, "CPU demo")."""
+    """{script: flags} of the five CPU demo lines (docs/toy_world.md, "CPU demo"):
+    `OMP_NUM_THREADS=1 python SCRIPT --toy`, so flags == ["--toy"] (TOY's flags the defaults,
+    any flag after it wins); the variables set before `python` are left out."""
     text = (REPO / "docs" / "toy_world.md").read_text()
     block = text.split("CPU demo", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
-    argvs = [shlex.split(line) for line in re.sub(r"\\\n\s*", " ", block).splitlines()
-             if line.strip().startswith("python ")]
-    return {argv[1]: argv[2:] for argv in argvs}
+    demos = {}
+    for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+        argv = shlex.split(line)
+        while argv and re.match(r"[A-Za-z_][A-Za-z0-9_]*=", argv[0]):  # OMP_NUM_THREADS=1
+            argv = argv[1:]
+        if argv[:1] == ["python"]:
+            demos[argv[1]] = argv[2:]
+    return demos
+
+
+def main_args(script: str, flags: list[str]):
+    """The Args that `script`'s main makes of `flags`: with --toy, the script's TOY are the
+    defaults and the flags given win (what a `--toy` demo line trains with, spelled out)."""
+    import importlib
+
+    import tyro
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    module = importlib.import_module(script[: -len(".py")])
+    args = tyro.cli(module.Args, args=flags)
+    if args.toy:
+        args = tyro.cli(module.Args, args=flags, default=module.Args(**module.TOY, toy=True))
+    return args
 
 
 BF16 = ["--mixed-precision", "bf16"]
@@ -186,7 +208,8 @@ CONFIGS: dict[str, dict[str, Config]] = {
         "tiny-full-eval-only": Config(tiny(*DANCE_FULL, *BF16, *E2), kind="eval-only"),
     },
 }
-for _script, _demo in readme_demos().items():  # the README's demo, and 3 epochs of it
+# the README's demo, and 3 epochs of it: `--toy` (the reference tree must have it too)
+for _script, _demo in readme_demos().items():
     CONFIGS[_script]["demo-short"] = Config(_demo + SHORT)
     CONFIGS[_script]["demo"] = Config(_demo)
 
@@ -201,8 +224,11 @@ def script_env(tree: Path) -> dict:
 
 
 def with_nproc(flags: list[str], nproc: int) -> list[str]:
-    """The last --batch-size (the one that counts) divided among nproc processes."""
+    """The last --batch-size (the one that counts) divided among nproc processes; one process
+    keeps the flags as they are (a `--toy` demo gives no --batch-size)."""
     flags = list(flags)
+    if nproc == 1:
+        return flags
     where = len(flags) - 1 - flags[::-1].index("--batch-size")
     flags[where + 1] = str(int(flags[where + 1]) // nproc)
     return flags

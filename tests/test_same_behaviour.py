@@ -159,6 +159,21 @@ def test_stdout_masks_timings_paths_and_run_names(tmp_path):
 def test_two_processes_split_the_last_batch_size():
     flags = ["--batch-size", "8", "--epochs", "2", "--batch-size", "4"]
     assert sb.with_nproc(flags, 2) == ["--batch-size", "8", "--epochs", "2", "--batch-size", "2"]
+    assert sb.with_nproc(["--toy"], 1) == ["--toy"]  # one process: the flags as they are
+
+
+def test_the_demos_are_the_toy_lines_and_expand_to_toy():
+    """docs/toy_world.md's demo lines are `OMP_NUM_THREADS=1 python SCRIPT --toy`: readme_demos
+    gives each script ["--toy"], and main_args spells it out as the script's main does (TOY's
+    flags the defaults, those given win)."""
+    import importlib
+
+    demos = sb.readme_demos()
+    assert demos == {script: ["--toy"] for script in sb.SCRIPTS}
+    for script in sb.SCRIPTS:
+        module = importlib.import_module(script[: -len(".py")])
+        assert sb.main_args(script, demos[script]) == module.Args(**module.TOY, toy=True)
+        assert sb.main_args(script, ["--toy", "--epochs", "3"]).epochs == 3
 
 
 def test_the_table_runs_the_tests_tiny_flags_and_every_readme_demo():
