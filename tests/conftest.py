@@ -30,14 +30,16 @@ from tiny import build_tiny_flux, build_tiny_sd3  # noqa: E402
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection
 def pytest_collection_modifyitems(config, items):
     """Start the selected toy-world learning runs now, in the background
-    (scripts_harness.LEARNING_RUNS): they take minutes and overlap the rest of the suite."""
+    (scripts_harness.LEARNING_RUNS): they take minutes and overlap the rest of the suite, whose
+    tests go first; theirs, which wait for the runs, last."""
+    learning = [item for item in items if item.name == LEARNING_TEST]
+    items[:] = [item for item in items if item.name != LEARNING_TEST] + learning
     if config.option.collectonly:
         return
-    for item in items:
-        if item.name == LEARNING_TEST:
-            module = item.module
-            out = Path(tempfile.mkdtemp(prefix=f"learning-{module.SCRIPT[:-3]}-"))
-            start_learning_run(module.SCRIPT, module.LEARNING_FLAGS, out)
+    for item in learning:
+        module = item.module
+        out = Path(tempfile.mkdtemp(prefix=f"learning-{module.SCRIPT[:-3]}-"))
+        start_learning_run(module.SCRIPT, module.LEARNING_FLAGS, out)
 
 
 def pytest_sessionfinish(session):

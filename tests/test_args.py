@@ -10,6 +10,8 @@ import typing
 
 import pytest
 
+pytestmark = pytest.mark.quick  # all of this file: `pytest -m quick`
+
 SCRIPTS = ["grpo_sd35", "nft_sd35", "awm_sd35", "crd_sd35", "dance_grpo_flux"]
 # A value outside each range
 OUTSIDE = {">= 0": -1, ">= 1": 0, ">= 2": 1, "> 0": 0, "in [0, 1)": 1, "in (0, 1]": 0,

@@ -95,6 +95,7 @@ def test_checkpoints_total_limit_keeps_the_newest(tiny_sd3, tmp_path):
     (1, 1, 5, [5]),
     (2, 3, 6, [2, 4, 6]),
 ])
+@pytest.mark.quick
 def test_pruning_never_drops_the_current_checkpoint(tmp_path, save_every, limit, current, kept):
     folder = tmp_path / "checkpoints"
     for epoch in range(1, current + 1):
@@ -159,6 +160,7 @@ def test_every_evaluated_checkpoint_gets_a_card_of_its_folder_and_the_push_sends
     assert "pushed to https://huggingface.co/tester/grpo_sd35" in stdout
 
 
+@pytest.mark.quick
 def test_each_card_has_its_own_checkpoints_eval(tmp_path):
     """write_card on made-up evals, all distinct at 4 decimals (one a NaN, which JSON logs as
     null): each evaluated checkpoint's cards quote the base model's eval and that checkpoint's

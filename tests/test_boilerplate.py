@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.quick  # all of this file: `pytest -m quick`
+
 REPO = Path(__file__).resolve().parent.parent
 TEMPLATE = "grpo_sd35.py"
 SD35_SCRIPTS = ["grpo_sd35.py", "nft_sd35.py", "awm_sd35.py", "crd_sd35.py"]

@@ -109,6 +109,7 @@ BAD = [
 ]
 
 
+@pytest.mark.quick
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is a GPU mode")
 @pytest.mark.parametrize("script", SD35_SCRIPTS + ["dance_grpo_flux.py"])
 def test_files_and_modes_that_cannot_work_fail_before_the_model_loads(tiny_sd3, tiny_flux,
@@ -146,6 +147,7 @@ def configs_only(tiny_sd3, tmp_path) -> Path:
     return model
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("script", SD35_SCRIPTS)
 @pytest.mark.parametrize("extra,message", BAD, ids=[message for _, message in BAD])
 def test_bad_input_fails_before_the_model_loads(tiny_sd3, tmp_path, script, extra, message):
@@ -160,6 +162,7 @@ def test_bad_input_fails_before_the_model_loads(tiny_sd3, tmp_path, script, extr
     assert_bad_input(script, flags, message, in_process=in_process)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("script", SD35_SCRIPTS + ["dance_grpo_flux.py"])
 def test_in_process_bad_input_check_stops_at_the_model_load(tiny_sd3, tiny_flux, tmp_path,
                                                             script):
@@ -261,6 +264,7 @@ def test_extra_reward_values_are_logged_and_flat_epochs_show(tiny_sd3, tmp_path)
     assert first["reward/zero_std_group_frac"] == last["reward/zero_std_group_frac"] == 1
 
 
+@pytest.mark.quick
 def test_non_finite_stop_names_the_value_and_only_an_existing_checkpoint(tmp_path):
     message = r"^error: non-finite reward at epoch 3; stopping. Last checkpoint: none saved"
     with pytest.raises(SystemExit, match=message):
@@ -276,6 +280,7 @@ def test_non_finite_stop_names_the_value_and_only_an_existing_checkpoint(tmp_pat
     grpo_sd35.check_finite("s", str(tmp_path), loss=torch.tensor(0.5), gradient=1.0)
 
 
+@pytest.mark.quick
 def test_prepare_run_dir_drops_redone_epochs_and_crashed_saves(tmp_path):
     (tmp_path / "checkpoints" / ".epoch_00003.tmp").mkdir(parents=True)
     lines = [f'{{"epoch": {epoch}}}\n' for epoch in range(4)]

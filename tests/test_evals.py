@@ -53,6 +53,7 @@ def test_eval_only_needs_only_the_checkpoint(seeded_run, tmp_path):
     assert row["eval/reward_stderr"] == final["eval/final_reward_stderr"]
 
 
+@pytest.mark.quick
 def test_the_contact_sheet_has_a_title_labels_each_row_and_no_blank_strip():
     """A 24 px title, then per row a 24 px label over its images; the cells fill 640 px (2
     columns: 320 px each), so only a row with fewer images than the widest leaves white."""
@@ -67,6 +68,7 @@ def test_the_contact_sheet_has_a_title_labels_each_row_and_no_blank_strip():
     assert (pixels[392:712, :320, 0] == 255).all() and (pixels[392:712, 320:] == 255).all()
 
 
+@pytest.mark.quick
 def test_a_bom_is_not_part_of_the_first_prompt(tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_bytes("\ufefftwo red squares\nthree blue circles\n".encode())

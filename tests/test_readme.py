@@ -15,6 +15,8 @@ import pytest
 
 from scripts_harness import REPO, ModelLoaded, assert_bad_input
 
+pytestmark = pytest.mark.quick  # all of this file: `pytest -m quick`
+
 PAGES = {"grpo_sd35.py": "docs/grpo.md", "nft_sd35.py": "docs/nft.md",
          "awm_sd35.py": "docs/awm.md", "crd_sd35.py": "docs/crd.md",
          "dance_grpo_flux.py": "docs/dance_grpo.md"}

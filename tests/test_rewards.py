@@ -32,6 +32,8 @@ import rewards
 from tiny import clip_tokenizer
 from toy_world import render_batch
 
+pytestmark = pytest.mark.quick  # all of this file: `pytest -m quick`
+
 
 def text_image(text: str) -> torch.Tensor:
     """Black text on white, (3, 96, 320) in [0, 1]."""

@@ -14,6 +14,8 @@ import torch
 from sde import (dpm_step, dppo_keep, dppo_kl_std, flash_sigmas, flow_sigma_t, gaussian_log_prob,
                  ratio_norm_log_ratio, sde_step, sde_steps, sde_window, shift_sigmas, step_kl)
 
+pytestmark = pytest.mark.quick  # all of this file: `pytest -m quick`
+
 SHAPE = (2, 3, 4, 4)  # (B, C, H, W)
 BATCH = SHAPE[0]
 
