@@ -3,18 +3,8 @@
 Paper: DanceGRPO, https://arxiv.org/abs/2505.07818
 Docs: docs/dance_grpo.md (recipes, metrics, the toy-world demo).
 
-The defaults: upstream's LoRA recipe (finetune_flux_grpo_8gpus_lora.sh, HPS v2.1):
-    torchrun --nproc_per_node 8 dance_grpo_flux.py --train-prompts hpd/train.txt \
-        --test-prompts hpd/test.txt
-
-Provenance: XueZeyue/DanceGRPO@15cc71d, fastvideo/train_grpo_flux.py unless named.
-    dance_sigmas             sd3_time_shift (sde.py's "dance" step: flux_step)
-    rollout                  run_sample_step (the timestep floored to 1/1000)
-    grpo_loss, select_train_steps  train_one_step (--use_group), grpo_one_step
-    LORA_TARGETS, the init   train_grpo_flux_lora.py
-    shard_for_full_finetune  fastvideo/utils/fsdp_util.py (FSDP1 there)
-    the EMA warm-up          yifan123/flow_grpo, flow_grpo/ema.py
-    sde_window, dpm_step     MixGRPO(-Flash): Tencent-Hunyuan/MixGRPO@e5cdd6a
+Defaults: upstream's LoRA recipe (XueZeyue/DanceGRPO@15cc71d, HPS v2.1), on 8 GPUs:
+    torchrun --nproc_per_node 8 dance_grpo_flux.py --train-prompts TRAIN --test-prompts TEST
 """
 
 import glob
@@ -26,6 +16,7 @@ import math
 import os
 import resource
 import shutil
+import shlex
 import signal
 import sys
 import tempfile
@@ -68,6 +59,7 @@ from sde import dpm_step, flash_sigmas, group_advantages, sde_step, sde_window, 
 
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # in every attention
 
+
 @dataclass
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
@@ -76,6 +68,8 @@ class Args:
     """seed of the LoRA init, prompt draws and noise"""
     track: bool = False
     """also log to wandb (WANDB_PROJECT, WANDB_ENTITY: where)"""
+    toy: bool = False
+    """the toy-world demo: TOY's flags as the defaults"""
     output_dir: str = "runs"
     """runs go to OUTPUT_DIR/RUN_NAME"""
     resume: str | None = None
@@ -111,7 +105,7 @@ class Args:
     eval_num_steps: Annotated[int, ">= 1"] = 28
     """Euler ODE steps of eval"""
     group_size: Annotated[int, ">= 2"] = 12
-    """images per prompt (a group: its rewards normalise each other)"""
+    """images per prompt (a group: normalised together)"""
     eval_batch_size: Annotated[int, ">= 1"] = 8
     """per-GPU eval batch"""
     epochs: Annotated[int, ">= 1"] = 300
@@ -138,15 +132,15 @@ class Args:
     max_sequence_length: Annotated[int, ">= 1"] = 512
     """T5 tokens per prompt"""
     num_steps: Annotated[int, ">= 1"] = 12
-    """SDE steps per rollout (upstream: 12; 16 in full fine-tuning)"""
+    """SDE steps per rollout (upstream: 12; full: 16)"""
     shift: Annotated[float, "> 0"] = 3.0
-    """SD3's static time shift of the uniform sigma grid"""
+    """SD3's time shift of the uniform sigma grid"""
     guidance_scale: float = 3.5
-    """FLUX.1-dev's guidance input (no CFG: one forward per step)"""
+    """FLUX.1-dev's guidance input (no CFG)"""
     noise_level: float = 0.3
-    """eta, the dance SDE's constant diffusion (sde.py)"""
+    """eta, the dance SDE's diffusion (sde.py)"""
     sde_window_size: int = 0
-    """K > 0: SDE on K consecutive steps, all trained; ODE elsewhere"""
+    """K > 0: SDE on K consecutive steps, all trained; else ODE"""
     sde_window_range: tuple[int, int] | None = None
     """A B: the window lies in [A, B) (None: 0, num_steps // 2)"""
     window_shift_every: Annotated[int | None, ">= 1"] = None
@@ -156,7 +150,7 @@ class Args:
     window_roll_back: bool = True
     """after the empty window at B, back to A (MixGRPO's --roll_back)"""
     flash_ratio: float = 0.0
-    """MixGRPO-Flash: DPM-Solver++ after the window (Flash 0.4, Flash* 0.2)"""
+    """MixGRPO-Flash: DPM-Solver++ after the window (0.4, Flash* 0.2)"""
     prompts_per_epoch: Annotated[int, ">= 1"] = 16
     """prompts (groups) per epoch, over all GPUs"""
     batch_size: Annotated[int, ">= 1"] = 1
@@ -176,7 +170,17 @@ class Args:
     eval_every: Annotated[int, ">= 1"] = 50
     """evaluate every N epochs (and after the last)"""
     save_every: Annotated[int, ">= 1"] = 50
-    """keep every N-th epoch's save (--full-finetune saves only these)"""
+    """keep every N-th epoch's save (--full-finetune: only these)"""
+
+
+# ALGO LOGIC: --toy, the CPU demo (docs/toy_world.md)
+TOY = dict(model="tests/assets/toy-flux", train_prompts="tests/assets/toy_train.txt",
+           test_prompts="tests/assets/toy_test.txt",
+           reward="tests/toy_rewards.py:counting_partial",
+           eval_reward="tests/toy_rewards.py:counting", resolution=32, max_sequence_length=24,
+           mixed_precision="no", num_steps=10, eval_num_steps=10, eval_batch_size=48,
+           group_size=16, prompts_per_epoch=6, batch_size=16, lora_rank=8, lora_alpha=8,
+           learning_rate=1e-3, noise_level=0.7, ema_decay=0.9, epochs=64, eval_every=8)
 
 # TRY NOT TO MODIFY: what --resume must match, ranges
 STATE_FLAGS = ["model", "lora_rank", "lora_alpha", "lora_targets"]
@@ -185,21 +189,24 @@ RANGES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: 
           "in (0, 1]": lambda x: 0 < x <= 1, "in [0, 1]": lambda x: 0 <= x <= 1}
 
 # ALGO LOGIC: the sampler and the loss
-STEP_STREAM = 1  # a seed key: the steps each sample trains
-GROUP_NOISE_STREAM = 2  # a seed key: a group's initial latent
+STEP_STREAM = 1  # seed key: a sample's trained steps
+GROUP_NOISE_STREAM = 2  # seed key: a group's initial latent
+
 
 def dance_sigmas(num_steps: int, shift: float) -> torch.Tensor:
     return shift_sigmas(torch.linspace(1, 0, num_steps + 1), shift)
 
+
 class Rollout(NamedTuple):
     start: int  # the window's first step
-    latents: torch.Tensor  # (B, K+1, L, 4C): x at the window's K steps and after (K 0: None)
-    log_probs: torch.Tensor  # (B, K): log-probs, means over elements (sde.py)
-    sample: torch.Tensor  # (B, L, 4C): the last step's x0_hat, scored as upstream
+    latents: torch.Tensor  # (B, K+1, L, 4C): x at the window's steps and after
+    log_probs: torch.Tensor  # (B, K): log-probs, element means
+    sample: torch.Tensor  # (B, L, 4C): the last x0_hat, scored
+
 
 @torch.no_grad()
 def rollout(velocity, noise, sigmas, window, noise_level, generator, dpm_from=None) -> Rollout:
-    """The dance SDE on the window's steps, Euler elsewhere, DPM-Solver++(2M) from dpm_from."""
+    """The dance SDE in the window, Euler elsewhere; DPM-Solver++(2M) from dpm_from."""
     start, end = window
     x = noise.float()
     latents = []
@@ -219,18 +226,18 @@ def rollout(velocity, noise, sigmas, window, noise_level, generator, dpm_from=No
         if kind == "dance":
             latents.append(x)
             log_probs.append(log_prob)
-    if start == end:  # MixGRPO's empty window: nothing to train
+    if start == end:  # MixGRPO's empty window
         return Rollout(start, None, None, x0_hat)
     return Rollout(start, torch.stack(latents, 1), torch.stack(log_probs, 1), x0_hat)
 
-def select_train_steps(batch: int, num_steps: int, fraction: float, generator):
-    """(batch, K): each sample's K random steps, never the last (as upstream)."""
-    candidates = num_steps - 1
-    order = torch.rand(batch, candidates, generator=generator).argsort(dim=1)
-    return order[:, : int(candidates * fraction)]
 
-def grpo_loss(*, log_prob, old_log_prob, advantages, clip_range, adv_clip,
-              accum_steps):
+def select_train_steps(batch: int, num_steps: int, fraction: float, generator):
+    """(batch, K): each sample's K random steps, never the last."""
+    order = torch.rand(batch, num_steps - 1, generator=generator).argsort(dim=1)
+    return order[:, : int((num_steps - 1) * fraction)]
+
+
+def grpo_loss(*, log_prob, old_log_prob, advantages, clip_range, adv_clip, accum_steps):
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
     advantages = advantages.clamp(-adv_clip, adv_clip)
@@ -241,19 +248,23 @@ def grpo_loss(*, log_prob, old_log_prob, advantages, clip_range, adv_clip,
              "clipfrac": ((ratio - 1).abs() > clip_range).float().mean().item()}
     return policy_loss / accum_steps, ratio, stats
 
+
 # TRY NOT TO MODIFY: the shared helpers
 class Text(NamedTuple):
     """Encoded prompts: T5 tokens (B, L, 4096), pooled CLIP-L (B, 768)."""
     embeds: torch.Tensor
     pooled: torch.Tensor
 
+
 def fail(message: str):
     """Stop with one line, printed once (by rank 0 under torchrun)."""
     raise SystemExit(1 if os.environ.get("RANK", "0") != "0" else f"error: {message}")
 
+
 def say(message: str):
     if os.environ.get("RANK", "0") == "0":
         print(message, flush=True)
+
 
 def check_ranges(args):
     for field in fields(args):
@@ -266,29 +277,32 @@ def check_ranges(args):
             if isinstance(number, (int, float)) and not RANGES[allowed](number):
                 fail(f"{flag} must be {allowed}, got {value}")
 
+
 def check_args(args) -> dict | None:
     state = None
-    if args.resume == "latest":  # torchrun --max-restarts: start or go on
+    if args.resume == "latest":  # torchrun --max-restarts
         runs = os.path.join(args.output_dir, f"{args.exp_name}__{args.seed}__*")
         saves = glob.glob(os.path.join(runs, "checkpoints", "epoch_*"))
         args.resume = None  # sorted by start time, then epoch
         for save in sorted(saves, reverse=True):
-            state = load_state(save)
+            state = load_checked(save)
             if isinstance(state, dict):
                 args.resume = save
                 break
             say(f"skipping {save}: {state}")
     elif args.resume:
-        state = load_state(args.resume)
+        state = load_checked(args.resume)
         if isinstance(state, str):
             fail(f"--resume {args.resume!r}: {state}")
-    if args.resume:
+    script = os.path.basename(__file__)
+    if args.resume:  # its flags, but those given
+        if state.get("script") != script:
+            fail(f"--resume {args.resume!r} is not a checkpoint of {script}")
         say(f"resuming from {args.resume}")
-    if args.resume and args.eval_only:
         given = {word[2:].split("=")[0].removeprefix("no-").replace("-", "_")
                  for word in sys.argv[1:] if word.startswith("--")}
         for name, value in state["args"].items():
-            if name not in given | {"resume", "eval_only", "push_to_hub"}:
+            if name not in given | {"resume", "eval_only"}:
                 setattr(args, name, value)
     check_ranges(args)
     if args.mixed_precision == "fp16":
@@ -308,7 +322,7 @@ def check_args(args) -> dict | None:
     if args.resolution % factor:
         fail(f"--resolution {args.resolution} is not a positive multiple of {factor} "
              "(VAE downsampling x 2x2 packing)")
-    with torch.device("meta"):  # the layers' names, not their weights
+    with torch.device("meta"):  # the layers' names
         names = [f".{name}" for name, _ in FluxTransformer2DModel.from_config(dit).named_modules()]
     for target in args.lora_targets:  # matched as peft does
         if not any(name.endswith(f".{target}") for name in names):
@@ -319,8 +333,8 @@ def check_args(args) -> dict | None:
             fail("--track needs a wandb login (`wandb login` or WANDB_API_KEY), "
                  "or WANDB_MODE=offline")
     if args.push_to_hub and args.full_finetune:
-        fail("--push-to-hub uploads a LoRA (a full fine-tune's transformer/: hf upload it)")
-    if args.push_to_hub:  # found now, not after training
+        fail("--push-to-hub uploads a LoRA (full fine-tune: hf upload transformer/)")
+    if args.push_to_hub and not args.eval_only:
         try:
             user = huggingface_hub.whoami()["name"]
         except Exception as error:  # no token, offline, no answer
@@ -328,18 +342,29 @@ def check_args(args) -> dict | None:
         args.hub_model_id = args.hub_model_id or f"{user}/{args.exp_name}"
     if not args.resume:
         return None
-    if os.path.isdir(os.path.join(args.resume, "dcp")) != args.full_finetune:
+    if os.path.isdir(f"{args.resume}/dcp") != args.full_finetune:
         fail(f"--resume {args.resume!r} needs the --full-finetune it was saved with")
-    script = os.path.basename(__file__)
-    if state.get("script") != script:
-        fail(f"--resume {args.resume!r} is not a checkpoint of {script}")
     for name in STATE_FLAGS:
         if state["args"][name] != getattr(args, name):
             fail(f"--{name.replace('_', '-')} {getattr(args, name)!r} differs from the "
                  f"checkpoint's {state['args'][name]!r}")
-    if not args.eval_only and state["next_epoch"] >= args.epochs:
-        fail(f"--epochs {args.epochs} is not past the checkpoint's {state['next_epoch']}")
+    if not args.eval_only and state["next_epoch"] > args.epochs:
+        fail(f"--epochs {args.epochs} < the checkpoint's {state['next_epoch']}")
+    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(args.resume)))
+    if not args.eval_only and finished(run_dir, state["next_epoch"], args.epochs):
+        say(f"{run_dir} has finished")
+        raise SystemExit(0)
     return state
+
+
+def finished(run_dir: str, next_epoch: int, epochs: int) -> bool:
+    """Whether a run at its last epoch logged its final eval."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    lines = open(path).readlines() if os.path.exists(path) else []
+    row = json.loads(lines[-1]) if lines and lines[-1].endswith("\n") else {}
+    logged = row.get("epoch", -2) + 1
+    return next_epoch == epochs == logged and "eval/final_sheet" in row
+
 
 def load_state(save: str) -> dict | str:
     """A checkpoint's state if its checksum (written last) matches, else why."""
@@ -353,6 +378,17 @@ def load_state(save: str) -> dict | str:
     if hashlib.sha256(data).hexdigest() != digest:
         return "corrupt: its state.pt does not match state.pt.sha256"
     return torch.load(io.BytesIO(data), map_location="cpu")
+
+
+def load_checked(save: str) -> dict | str:
+    """load_state, then its dcp/ shards by their checksums."""
+    state = load_state(save)
+    digests = state.get("dcp_sha256", {}) if isinstance(state, dict) else {}
+    for name, digest in digests.items():
+        if sha256_of(f"{save}/dcp/{name}") != digest:
+            return f"corrupt: its dcp/{name} does not match its checksum"
+    return state
+
 
 def load_prompts(path: str) -> tuple[list[str], list[dict]]:
     if not os.path.isfile(path):
@@ -369,6 +405,7 @@ def load_prompts(path: str) -> tuple[list[str], list[dict]]:
     except (ValueError, TypeError, KeyError) as error:
         fail(f"every line of {path!r} must be a JSON object with a 'prompt' ({error!r})")
 
+
 def all_gather_cat(tensor: torch.Tensor, world: int) -> torch.Tensor:
     """Every rank's equally shaped tensor, concatenated in rank order."""
     if world == 1:
@@ -377,10 +414,12 @@ def all_gather_cat(tensor: torch.Tensor, world: int) -> torch.Tensor:
     dist.all_gather(gathered, tensor.contiguous())
     return torch.cat(gathered)
 
+
 def seeded_generator(device: torch.device, *keys: int) -> torch.Generator:
     """Seeded from (seed, epoch, rank, ...): resumes exactly, no state saved."""
     seed = np.random.SeedSequence(list(keys)).generate_state(1)[0]
     return torch.Generator(device).manual_seed(int(seed))
+
 
 @torch.no_grad()
 def encode(pipe, prompts: list[str], device, max_sequence_length: int) -> Text:
@@ -388,20 +427,21 @@ def encode(pipe, prompts: list[str], device, max_sequence_length: int) -> Text:
                                            max_sequence_length=max_sequence_length)
     return Text(embeds, pooled)
 
+
 def image_ids(height: int, width: int, device) -> torch.Tensor:
-    """(height * width, 3): RoPE positions (0, row, col) of packed tokens."""
     return FluxPipeline._prepare_latent_image_ids(1, height, width, device, torch.float32)
+
 
 def predict_velocity(transformer, x, sigma, text: Text, img_ids,
                      guidance_scale: float) -> torch.Tensor:
     sigma = torch.as_tensor(sigma, device=x.device, dtype=torch.float32)
     timestep = torch.floor(sigma.expand(len(x)) * 1000) / 1000
-    guidance = None
-    if transformer.config.guidance_embeds:
-        guidance = torch.full_like(timestep, guidance_scale)
+    distilled = transformer.config.guidance_embeds
+    guidance = torch.full_like(timestep, guidance_scale) if distilled else None
     return transformer(hidden_states=x, timestep=timestep, guidance=guidance, img_ids=img_ids,
                        encoder_hidden_states=text.embeds, pooled_projections=text.pooled,
                        txt_ids=x.new_zeros(text.embeds.shape[1], 3), return_dict=False)[0].float()
+
 
 @torch.no_grad()
 def ode_sample(velocity, noise, sigmas) -> torch.Tensor:
@@ -412,21 +452,22 @@ def ode_sample(velocity, noise, sigmas) -> torch.Tensor:
         x = sde_step(v, x, sigmas[i], sigmas[i + 1], "ode", 0.0)[0]
     return x
 
+
 @torch.no_grad()
 def decode(pipe, latents, resolution: int) -> torch.Tensor:
-    vae = pipe.vae
-    scale = pipe.vae_scale_factor
-    latents = pipe._unpack_latents(latents, resolution, resolution, scale)
-    latents = latents.float() / vae.config.scaling_factor + vae.config.shift_factor
-    return (vae.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
+    latents = pipe._unpack_latents(latents, resolution, resolution, pipe.vae_scale_factor)
+    latents = latents.float() / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
+    return (pipe.vae.decode(latents, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
+
 
 def shard_for_full_finetune(transformer):
     transformer.float().requires_grad_(True)
-    if not dist.is_initialized():  # one process: a group of one rank
+    if not dist.is_initialized():  # one process: one rank
         dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)
     for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
         fully_shard(block)
     fully_shard(transformer)
+
 
 def optimizer_step(optimizer, params, max_grad_norm, world, loss, where, run_dir, sharded):
     if world > 1 and not sharded:  # FSDP2 reduces its own
@@ -439,27 +480,37 @@ def optimizer_step(optimizer, params, max_grad_norm, world, loss, where, run_dir
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
 
+
 def sharded_state(transformer, optimizer, ema_params) -> dict:
     model, optim = dcp_state.get_state_dict(transformer, optimizer)
     return {"model": model, "optimizer": optim, "ema": dict(zip(model, ema_params))}
 
+
+def sha256_of(path: str) -> str | None:
+    if os.path.isfile(path):  # else None
+        with open(path, "rb") as file:
+            return hashlib.file_digest(file, "sha256").hexdigest()
+
+
 def save_checkpoint(path, transformer, params, ema_params, optimizer, next_epoch,
-                    global_step, args, rank: int):
-    """(ema_)lora/, or dcp/ and at the end (ema_)transformer/; state.pt, its checksum last."""
+                    global_step, args, rank: int, metrics: dict):
+    """(ema_)lora/ or dcp/ (the last: (ema_)transformer/), state.pt, its checksum."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     state = {"next_epoch": next_epoch, "global_step": global_step, "args": asdict(args),
-             "script": os.path.basename(__file__)}
+             "metrics": metrics, "script": os.path.basename(__file__)}
     if args.full_finetune:
         dist.checkpoint.save(sharded_state(transformer, optimizer, ema_params),
                              checkpoint_id=f"{tmp}/dcp")
+        shards = sorted(os.listdir(f"{tmp}/dcp")) if rank == 0 else []  # all ranks' files
+        state["dcp_sha256"] = {name: sha256_of(f"{tmp}/dcp/{name}") for name in shards}
         folders = {f"{tmp}/transformer": []} if next_epoch == args.epochs else {}
-        if folders and args.ema_decay:
+        if folders and ema_params:
             folders[f"{tmp}/ema_transformer"] = ema_params
         options = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
         for folder, copies in folders.items():
-            with swapped(params, copies):  # gathered on rank 0's CPU
+            with swapped(params, copies):  # on rank 0's CPU
                 weights = dcp_state.get_model_state_dict(transformer, options=options)
-            if rank == 0:  # in save_pretrained's layout
+            if rank == 0:  # save_pretrained's layout
                 os.makedirs(folder)
                 pattern = "diffusion_pytorch_model{suffix}.safetensors"
                 huggingface_hub.save_torch_state_dict(weights, folder, filename_pattern=pattern)
@@ -473,17 +524,19 @@ def save_checkpoint(path, transformer, params, ema_params, optimizer, next_epoch
                 FluxPipeline.save_lora_weights(
                     f"{tmp}/{name}", peft.get_peft_model_state_dict(transformer),
                     transformer_lora_adapter_metadata=transformer.peft_config["default"].to_dict())
-        state["lora"] = [p.detach().cpu() for p in params]
-        state["ema"] = [p.cpu() for p in ema_params]
-        state["optimizer"] = optimizer.state_dict()
+        state |= {"lora": [p.detach().cpu() for p in params], "ema": [p.cpu() for p in ema_params],
+                  "optimizer": optimizer.state_dict()}
     if rank == 0:
-        data = io.BytesIO()  # Python writes it: a full disk is an OSError naming it
+        data = io.BytesIO()  # a full disk: an OSError naming it
         torch.save(state, data)
         with open(f"{tmp}/state.pt", "wb") as file:
             file.write(data.getvalue())
+        for weights in glob.glob(f"{tmp}/*/*.safetensors"):  # safetensors 0.8: 0600
+            shutil.copymode(f"{tmp}/state.pt", weights)
         with open(f"{tmp}/state.pt.sha256", "w") as file:
             file.write(hashlib.sha256(data.getvalue()).hexdigest())
         os.rename(tmp, path)
+
 
 def prune_checkpoints(run_dir: str, current: str, save_every: int, limit: int | None):
     """Keep current and the newest `limit` (None: all) on the --save-every grid."""
@@ -493,49 +546,78 @@ def prune_checkpoints(run_dir: str, current: str, save_every: int, limit: int | 
     for save in set(saves) - kept:
         shutil.rmtree(save)
 
-def write_card(run_dir: str, args, images_per_epoch: int):
-    """The Hub's model card (README.md) and eval sheet in each evaluated checkpoint."""
+
+def write_card(run_dir: str, args, images_per_epoch: int, final=None):
+    """A model card (README.md) and eval sheet in each evaluated checkpoint's
+    LoRA folders. final: the last epoch's metrics, unlogged."""
+    def score(row, key):  # mean ± standard error; null: NaN
+        numbers = [row[key + "reward_mean"], row[key + "reward_stderr"]]
+        numbers = [math.nan if x is None else x for x in numbers]
+        return "{:.4f} ± {:.4f}".format(*numbers)
     with open(os.path.join(run_dir, "metrics.jsonl")) as file:
-        evals = [(row[key + "sheet"], row[key + "reward_mean"]) for row in map(json.loads, file)
-                 for key in ["eval/", "eval/final_"] if key + "sheet" in row]
-    evals = [(sheet, math.nan if x is None else x) for sheet, x in evals]  # null: NaN
+        rows = [json.loads(line) for line in file] + [final or {}]
+    evals = [(row[key + "sheet"], score(row, key)) for row in rows
+             for key in ["eval/", "eval/final_"] if key + "sheet" in row]
     name = os.path.basename(__file__)
     about = " ".join(__doc__[: __doc__.index("Docs:")].split())
-    flags = ", ".join(f"`--{flag.replace('_', '-')} {value}`" for flag, value in vars(args).items())
-    for sheet, reward in evals:
+    for sheet, after in evals:
         epochs = int(sheet[5:10])  # eval_00060.png
         save = os.path.join(run_dir, "checkpoints", f"epoch_{epochs:05d}")
         if not os.path.isdir(save):  # the base model's, or pruned
             continue
-        card = f"""---
+        pushed = args.hub_model_id or f"{save}/ema_lora"
+        for folder, where in [("lora", f"{save}/lora"), ("ema_lora", pushed)]:
+            card = f"""---
 base_model: {args.model}
 library_name: diffusers
 license: other
 tags: [diffusers, lora, text-to-image, {name[:-3]}]
 ---
 # {name}: a LoRA of {args.model} (its licence applies)
-{about}. Eval reward `{args.eval_reward or args.reward}` of `ema_lora/` (the EMA of
-`lora/`): {evals[0][1]:.4f} before, {reward:.4f} after {epochs} epochs
+{about}.
+
+`lora/` holds the trained LoRA, `ema_lora/` its EMA (decay {args.ema_decay};
+0: the same). `ema_lora/`'s eval reward `{args.eval_reward or args.reward}`
+(mean ± s.e.): {evals[0][1]} before, {after} after {epochs} epochs
 ({epochs * images_per_epoch:,} images); a row per test prompt:
 ![eval sheet](eval_sheet.png)
 ```python
+from diffusers import DiffusionPipeline
 pipe = DiffusionPipeline.from_pretrained("{args.model}")
-pipe.load_lora_weights("{args.hub_model_id or save + '/ema_lora'}")
+pipe.load_lora_weights("{where}")
 ```
-Flags: {flags}
+Trained with `{command_line(args)}` (other flags at their defaults).
 """
-        for folder in [f"{save}/lora", f"{save}/ema_lora"]:
-            with open(f"{folder}/README.md", "w") as file:
+            with open(f"{save}/{folder}/README.md", "w") as file:
                 file.write(card)
-            shutil.copy(os.path.join(run_dir, sheet), f"{folder}/eval_sheet.png")
+            shutil.copy(f"{run_dir}/{sheet}", f"{save}/{folder}/eval_sheet.png")
+
+
+def command_line(args) -> str:
+    """The command that trains args again (defaults left out)."""
+    defaults = asdict(Args(**TOY) if args.toy else Args())  # --toy shows
+    words = ["python", os.path.basename(__file__)]
+    for name, value in asdict(args).items():
+        flag = "--" + name.replace("_", "-")
+        skipped = ["resume", "push_to_hub", "hub_model_id"]
+        if value == defaults[name] or name in skipped:
+            continue
+        if isinstance(value, bool):
+            words.append(flag if value else f"--no-{flag[2:]}")
+        else:
+            values = value if isinstance(value, (tuple, list)) else [value]
+            words += [flag, *map(str, values)]
+    return shlex.join(words)
+
 
 def last_checkpoint(run_dir: str) -> str:
     saves = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
     return saves[-1] if saves else "none saved yet"
 
+
 @contextmanager
 def swapped(params, copies):
-    """Swap `copies` (the EMA) into the live parameters, in place (FSDP2)."""
+    """Swap `copies` (the EMA) into the parameters, in place (FSDP2)."""
     def swap():
         for p, copy in zip(params, copies):
             live = p.data.clone()
@@ -546,6 +628,7 @@ def swapped(params, copies):
         yield
     finally:
         swap()
+
 
 def prepare_run_dir(run_dir: str, start_epoch: int):
     """Drop crashed saves, and the saves and metrics lines after start_epoch."""
@@ -562,23 +645,29 @@ def prepare_run_dir(run_dir: str, start_epoch: int):
         file.writelines(x for x in lines if json.loads(x)["epoch"] < start_epoch)
     os.replace(path + ".tmp", path)
 
-def contact_sheet(rows: list[tuple[str, list]], cell: int = 128) -> Image.Image:
-    """Each row's images (H, W, 3), at least `cell` pixels wide, under its label."""
-    size = max(cell, rows[0][1][0].shape[0])
-    width = max(640, size * max(len(images) for _, images in rows))
-    sheet = Image.new("RGB", (width, len(rows) * (size + 24)), "white")
+
+def contact_sheet(title: str, rows: list) -> Image.Image:
+    """A title, then rows: a label over its images (H, W, 3); 640 px wide."""
+    columns = max(len(images) for _, images in rows)
+    size = max(rows[0][1][0].shape[0], 640 // columns)
+    sheet = Image.new("RGB", (size * columns, 24 + len(rows) * (size + 24)), "white")
     draw = ImageDraw.Draw(sheet)
+    font = ImageFont.load_default(14)
+    draw.text((4, 4), title, "black", font)
     for row, (label, images) in enumerate(rows):
-        draw.text((4, row * (size + 24) + 4), label, "black", ImageFont.load_default(14))
+        top = 24 + row * (size + 24)
+        draw.text((4, top + 4), label, "black", font)
         for column, image in enumerate(images):
             image = Image.fromarray(image).resize((size, size), Image.NEAREST)
-            sheet.paste(image, (column * size, row * (size + 24) + 24))
+            sheet.paste(image, (column * size, top + 24))
     return sheet
+
 
 def rank_mean(values: dict[str, float], world: int, device) -> dict[str, float]:
     """Each value's mean over ranks: the run's statistics, not rank 0's."""
     local = torch.tensor([list(values.values())], dtype=torch.float64, device=device)
     return dict(zip(values, all_gather_cat(local, world).mean(0).tolist()))
+
 
 def clock(device) -> float:
     """Seconds, once the GPU has run its queued work (phase timings)."""
@@ -586,15 +675,20 @@ def clock(device) -> float:
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
+
 def check_finite(where: str, run_dir: str, **values):
     for name, value in values.items():
         if not torch.isfinite(torch.as_tensor(value)).all():
             fail(f"non-finite {name} at {where}; stopping. Last checkpoint: "
                  f"{last_checkpoint(run_dir)}")
 
+
 if __name__ == "__main__":
     # TRY NOT TO MODIFY: input checks and rewards, before the model loads
     args = tyro.cli(Args, description=__doc__.split("\n\n")[0])
+    if args.toy:  # TOY's defaults; those given win
+        args = tyro.cli(Args, description=__doc__.split("\n\n")[0],
+                        default=Args(**TOY, toy=True))
     state = check_args(args)
     train_prompts, train_meta = ([], []) if args.eval_only else load_prompts(args.train_prompts)
     test_prompts, test_meta = load_prompts(args.test_prompts)
@@ -609,11 +703,11 @@ if __name__ == "__main__":
     if "RANK" in os.environ:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     quiet = rank != 0 or not sys.stderr.isatty()
-    if quiet:  # the model-loading bars too
+    if quiet:  # loading bars too
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
     diffusers.utils.logging.set_verbosity_error()  # e.g. every truncated prompt
-    try:  # a bad reward file or a silent server fails here
+    try:  # a bad reward file or server fails
         rewards.check_prompts(args.reward, train_prompts)
         rewards.check_prompts(args.eval_reward or args.reward, test_prompts)
         reward_fn = rewards.build_reward(args.reward, device=device)
@@ -623,9 +717,8 @@ if __name__ == "__main__":
     except ValueError as error:
         fail(str(error))
     eval_samples = len(test_prompts) * len(args.eval_seeds)
-    if args.full_finetune and eval_samples % world:  # FSDP2: all ranks run each forward
-        fail(f"--full-finetune: {eval_samples} test prompts x eval seeds do not "
-             f"split into {world} GPUs")
+    if args.full_finetune and eval_samples % world:  # FSDP2: each forward on all
+        fail(f"--full-finetune: {eval_samples} eval samples do not split into {world} GPUs")
     images_per_epoch = args.prompts_per_epoch * args.group_size
     if images_per_epoch % (world * args.batch_size):
         fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split "
@@ -636,7 +729,7 @@ if __name__ == "__main__":
     if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
         run_dir = os.path.dirname(parent)  # a resume goes on in its run
 
-    # ALGO LOGIC: from images to optimizer steps (defaults, 8 GPUs: 2 updates of 12 x 6)
+    # ALGO LOGIC: images to optimizer steps (on 8 GPUs: 2 x 12 x 6)
     if num_batches % args.updates_per_epoch:
         fail(f"{num_batches} micro-batches per GPU per epoch do not split into "
              f"--updates-per-epoch {args.updates_per_epoch}")
@@ -650,8 +743,7 @@ if __name__ == "__main__":
         fail("--flash-ratio needs an SDE window that ends before --num-steps")
     num_train_steps = window_size or int((args.num_steps - 1) * args.timestep_fraction)
     if num_train_steps < 1:
-        fail(f"--timestep-fraction {args.timestep_fraction} trains no step of the "
-             f"--num-steps {args.num_steps} - 1")
+        fail(f"--timestep-fraction {args.timestep_fraction} trains no step of {args.num_steps - 1}")
     sigmas = dance_sigmas(args.num_steps, args.shift).to(device)
     eval_sigmas = dance_sigmas(args.eval_num_steps, args.shift).to(device)
     if not args.eval_only:
@@ -663,12 +755,11 @@ if __name__ == "__main__":
     dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float32
     pipe = FluxPipeline.from_pretrained(
         args.model, dtype={"default": dtype, "vae": torch.float32}).to(device)
-    transformer = pipe.transformer  # in eval mode throughout
-    transformer.requires_grad_(False)
-    torch.manual_seed(args.seed)  # the LoRA init, alike on all ranks
+    transformer = pipe.transformer.requires_grad_(False)  # in eval mode throughout
+    torch.manual_seed(args.seed)  # the LoRA init, on all ranks
     if args.full_finetune:
         shard_for_full_finetune(transformer)
-    else:  # peft's default init (Kaiming-uniform A), as upstream
+    else:  # peft's default init, as upstream
         lora = peft.LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
                                init_lora_weights=True, target_modules=list(args.lora_targets))
         transformer.add_adapter(lora)
@@ -682,7 +773,7 @@ if __name__ == "__main__":
         for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
             block.compile(dynamic=False)
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
-    ema_params = [p.detach().clone() for p in params]
+    ema_params = [p.detach().clone() for p in params if not args.full_finetune or args.ema_decay]
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     grid_size = args.resolution // pipe.vae_scale_factor // 2  # tokens: 2x2 latents
     latent_shape = (grid_size**2, transformer.config.in_channels)
@@ -693,22 +784,22 @@ if __name__ == "__main__":
             return predict_velocity(transformer, x, sigma, text, img_ids, args.guidance_scale)
 
     # TRY NOT TO MODIFY: resume, run directory, signals, logging, eval
-    start_epoch = 0
-    global_step = 0
+    start_epoch = state["next_epoch"] if state else 0
+    global_step = state["global_step"] if state else 0
     if state and args.full_finetune:  # on any GPU count
-        try:  # no checksum of the shards (tens of GB): a bad one fails here
-            dist.checkpoint.load(sharded_state(transformer, optimizer, ema_params),
-                                 checkpoint_id=os.path.join(args.resume, "dcp"))
+        kept = ema_params if state["args"]["ema_decay"] else []  # 0: none
+        try:  # they may not fit
+            dist.checkpoint.load(sharded_state(transformer, optimizer, kept),
+                                 checkpoint_id=f"{args.resume}/dcp")
         except (Exception, dist.checkpoint.CheckpointException) as error:
             fail(f"--resume {args.resume!r}: its dcp/ shards do not load ({type(error).__name__})")
+        for ema, p in zip([] if kept else ema_params, params):
+            ema.copy_(p.detach())  # a new EMA: the weights
     elif state:
         for p, saved in zip(params + ema_params, state["lora"] + state["ema"]):
             p.data.copy_(saved)
         optimizer.load_state_dict(state["optimizer"])
-    if state:
-        start_epoch = state["next_epoch"]
-        global_step = state["global_step"]
-    if rank == 0 and run_dir is None:  # made only now: a failed start leaves none
+    if rank == 0 and run_dir is None:  # a failed start leaves none
         name = f"{args.exp_name}__{args.seed}__{int(time.time())}_"
         run_dir = tempfile.mkdtemp(prefix=name, dir=args.output_dir)  # unique
         os.chmod(run_dir, 0o755)  # mkdtemp's is private
@@ -756,7 +847,7 @@ if __name__ == "__main__":
         for item in items:
             by_prompt.setdefault(test_prompts[item[0]], []).append(item)
         shown = [item for row in list(by_prompt.values())[:4] for item in row[:4]]
-        results = {}  # item -> its scores, 32x32 thumbnail, image if shown
+        results = {}  # item -> scores, 32x32 thumbnail, image
         mine = items[rank::world]
         for start in range(0, len(mine), args.eval_batch_size):
             batch = mine[start : start + args.eval_batch_size]
@@ -766,7 +857,7 @@ if __name__ == "__main__":
                             generator=seeded_generator(device, seed, i))
                 for i, seed in batch])
             text = encode(pipe, prompts, device, args.max_sequence_length)
-            drift = {}  # --full-finetune: no adapter
+            drift = {}  # none in full fine-tuning
             with swapped(params, ema_params):  # with EMA 0: the weights
                 final = ode_sample(partial(velocity, text=text), noise, eval_sigmas)
                 if not args.full_finetune:
@@ -801,9 +892,9 @@ if __name__ == "__main__":
                   for row in by_prompt.values()]
         distances = [torch.pdist(group).mean() / group.shape[1] ** 0.5
                      for group in groups if len(group) > 1]
-        if distances:  # RMS pixel distance of two samples of one prompt
+        if distances:  # RMS pixel distance in a prompt
             means["diversity"] = float(torch.stack(distances).mean())
-        if rank == 0:  # a row per prompt, labelled with its mean reward
+        if rank == 0:  # a row per prompt, its mean reward
             labelled = []
             for text, row in by_prompt.items():
                 reward = np.mean([results[item][0]["reward_mean"] for item in row])
@@ -811,7 +902,9 @@ if __name__ == "__main__":
                 if images:
                     labelled.append((f"{reward:.3f}  {text}", images))
             means["sheet"] = f"eval_{epoch:05d}.png"
-            contact_sheet(labelled).save(os.path.join(run_dir, means["sheet"]))
+            score = f"{means['reward_mean']:.4f} ± {means['reward_stderr']:.4f}"
+            title = f"{os.path.basename(__file__)} after {epoch} epochs: {score}"
+            contact_sheet(title, labelled).save(os.path.join(run_dir, means["sheet"]))
             name = args.eval_reward or args.reward
             print(f"eval after {epoch} epochs: {name} = {means['reward_mean']:.4f}")
             if epoch and means.get("lora_drift") == 0:
@@ -819,7 +912,8 @@ if __name__ == "__main__":
         return {prefix + name: value for name, value in means.items()}
     if args.eval_only:
         log(run_eval(start_epoch), start_epoch)
-    executor = ThreadPoolExecutor(max_workers=1)  # scores while sampling goes on
+    executor = ThreadPoolExecutor(max_workers=1)  # scores while sampling
+    metrics = state.get("metrics", {}) if state else {}  # a relaunch's
     for epoch in range(start_epoch, 0 if args.eval_only else args.epochs):
         epoch_start = clock(device)
         metrics = run_eval(epoch) if epoch % args.eval_every == 0 else {}
@@ -835,11 +929,11 @@ if __name__ == "__main__":
         epoch_text = encode(pipe, epoch_prompts, device, args.max_sequence_length)
         sampling_start = clock(device)
 
-        # ALGO LOGIC: sampling; images shuffled alike on all ranks (groups span them)
+        # ALGO LOGIC: sampling; images shuffled alike on all ranks
         group_ids = torch.randperm(images_per_epoch, generator=prompt_gen) // args.group_size
         my_groups = group_ids.view(world, num_batches, args.batch_size)[rank]
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
-        batches = []  # (Text, Rollout) per micro-batch
+        batches = []  # (Text, Rollout) a micro-batch
         futures = []  # their rewards
         for groups in tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet, leave=False):
             text = Text(epoch_text.embeds[groups], epoch_text.pooled[groups])
@@ -853,11 +947,9 @@ if __name__ == "__main__":
             window = sde_window(window_size, window_range, args.num_steps, noise_gen,
                                 epoch, args.window_shift_every, args.window_stride,
                                 args.window_roll_back, shrink=True)
-            grid = sigmas
-            dpm_from = None
-            if args.flash_ratio:  # MixGRPO-Flash: a coarser grid after the window
-                grid = flash_sigmas(sigmas, window[1], args.flash_ratio, args.shift)
-                dpm_from = window[1]
+            flash = args.flash_ratio  # MixGRPO-Flash's coarser grid
+            grid = flash_sigmas(sigmas, window[1], flash, args.shift) if flash else sigmas
+            dpm_from = window[1] if flash else None
             out = rollout(partial(velocity, text=text), noise, grid, window,
                           args.noise_level, noise_gen, dpm_from)
             images = decode(pipe, out.sample, args.resolution).cpu()
@@ -887,7 +979,7 @@ if __name__ == "__main__":
                                  for group in range(args.prompts_per_epoch)])
         training_start = clock(device)
 
-        # ALGO LOGIC: training: re-score stored steps (loss scale: the window's)
+        # ALGO LOGIC: training: re-score the stored steps
         k = window[1] - window[0] if window_size else num_train_steps
         accum_steps = num_batches // args.updates_per_epoch * k
         my_advantages = advantages.to(device).view(world, num_batches, args.batch_size)[rank]
@@ -916,7 +1008,7 @@ if __name__ == "__main__":
                 loss.backward()
                 for name, value in step_stats.items():
                     stats[name].append(value)
-                if micro_step == 0:  # the rollout's weights: ratio must be 1
+                if micro_step == 0:  # the rollout's weights: ratio 1
                     on_policy_dev = (ratio - 1).abs().max().item()
                     if on_policy_dev > args.clip_range / 10:
                         say(f"WARNING: on-policy |ratio - 1| = {on_policy_dev:.1e}")
@@ -973,28 +1065,36 @@ if __name__ == "__main__":
             print(line + " (nan: a reward gave no number)" * ("nan" in line))
         path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
         last = epoch + 1 == args.epochs
-        try:
-            if not last:  # before its checkpoint: a resume redoes it whole
+        try:  # preemption: lose --save-every epochs
+            if not last:  # before its save: a resume redoes it
                 log(metrics, epoch)
             if last or not args.full_finetune or (epoch + 1) % args.save_every == 0:
                 save_checkpoint(path, transformer, params, ema_params, optimizer,
-                                epoch + 1, global_step, args, rank)
+                                epoch + 1, global_step, args, rank, metrics)
                 if rank == 0:
                     prune_checkpoints(run_dir, path, args.save_every, args.checkpoints_total_limit)
-            if world > 1:
-                dist.barrier()
-            if last:  # the saved file's score, not the memory's
-                metrics.update(run_eval(epoch + 1, "eval/final_", f"{path}/ema_lora"))
-                log(metrics, epoch)
-            if rank == 0 and not args.full_finetune:
+            if rank == 0 and not (last or args.full_finetune):  # the last's: below
                 write_card(run_dir, args, images_per_epoch)
-            if rank == 0 and last and args.push_to_hub:  # the final EMA LoRA alone
+        except (OSError, SafetensorError) as error:
+            stop(f"error: {error} (saving epoch {epoch + 1})")
+        if world > 1:
+            dist.barrier()
+
+    # TRY NOT TO MODIFY: the final eval of the saved file, card, push, line
+    if not args.eval_only:  # --full-finetune: in memory
+        path = os.path.join(run_dir, "checkpoints", f"epoch_{args.epochs:05d}")
+        metrics.update(run_eval(args.epochs, "eval/final_", f"{path}/ema_lora"))
+        try:
+            if rank == 0 and not args.full_finetune:  # a LoRA's card
+                write_card(run_dir, args, images_per_epoch, final=metrics)
+            if rank == 0 and args.push_to_hub:  # the final EMA LoRA alone
                 hub = huggingface_hub.HfApi()
                 hub.create_repo(args.hub_model_id, private=args.hub_private, exist_ok=True)
                 hub.upload_folder(repo_id=args.hub_model_id, folder_path=f"{path}/ema_lora")
                 print(f"pushed to https://huggingface.co/{args.hub_model_id}")
-        except (OSError, SafetensorError) as error:
-            stop(f"error: {error} (saving epoch {epoch + 1})")
+            log(metrics, args.epochs - 1)
+        except OSError as error:
+            stop(f"error: {error} (finishing after {args.epochs} epochs)")
     executor.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -23,6 +23,7 @@ FAST = ["--train-batch-size", "2", "--train-timesteps", "2"]
 
 
 # ---- units ---------------------------------------------------------------------------------
+@pytest.mark.quick
 def test_awm_log_prob_by_hand():
     x0, noise = torch.randn(2, 4, 2, 2), torch.randn(2, 4, 2, 2)
     offset = torch.tensor([0.5, 2.0]).view(2, 1, 1, 1)
@@ -35,6 +36,7 @@ def test_awm_log_prob_by_hand():
     assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=1e-6)
 
 
+@pytest.mark.quick
 def test_awm_log_prob_scalar_t_and_power():
     x0, noise = torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1)
     v = torch.full((1, 1, 1, 1), 3.0)  # l = 9
@@ -42,6 +44,7 @@ def test_awm_log_prob_scalar_t_and_power():
     assert awm_log_prob(v, x0, noise, 0.5, power=0.5).item() == pytest.approx(want)
 
 
+@pytest.mark.quick
 def test_ghuber_gradient_down_weights_large_errors():
     # d logp / d l = -t (l + eps)^(p - 1): with l = 1/16 and 16 the weights are t * 8 and t / 8
     # (p = 1/4)
@@ -54,6 +57,7 @@ def test_ghuber_gradient_down_weights_large_errors():
         assert v.grad.item() == pytest.approx(-0.5 * want * 2 * v.item(), rel=1e-6)
 
 
+@pytest.mark.quick
 def test_awm_policy_loss_value_and_gradient():
     lp = torch.tensor([-1.0, -2.0, -3.0], dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([10.0, -2.5, 1.0])  # clipped to +-5, divided by 5: (1, -0.5, 0.2)
@@ -69,6 +73,7 @@ def test_awm_policy_loss_value_and_gradient():
     assert torch.allclose(lp.grad, torch.tensor([-1.0, 0.5, -0.2], dtype=torch.float64) / 3)
 
 
+@pytest.mark.quick
 def test_awm_loss_adds_both_kls_and_divides_by_the_accumulation():
     lp = torch.zeros(2, dtype=torch.float64)
     v = torch.ones(2, 1, 1, 2)
@@ -80,6 +85,7 @@ def test_awm_loss_adds_both_kls_and_divides_by_the_accumulation():
     assert loss.item() == pytest.approx((-0.5 + 0.1 * 1 + 2.0 * 4) / 4)
 
 
+@pytest.mark.quick
 def test_stratified_picker_discrete_wo_init():
     # 14 steps x 0.9 -> M = 12; floor(linspace(1, 12, 7)) = (1, 2, 4, 6, 8, 10, 12):
     # strata [1,2) [2,4) ... [10,12)
@@ -94,6 +100,7 @@ def test_stratified_picker_discrete_wo_init():
         assert set(seen[:, j].tolist()) == set(range(lows[j], highs[j]))
 
 
+@pytest.mark.quick
 def test_stratified_picker_discrete_may_draw_sigma_one():
     gen = torch.Generator().manual_seed(0)
     seen = torch.stack([stratified_timestep_indices(12, 6, "discrete", gen) for _ in range(200)])
@@ -135,6 +142,7 @@ def gaussian_velocity(n):
                    guidance_scale=1.0)
 
 
+@pytest.mark.quick
 def test_sa_solver_sample_reaches_the_data_distribution():
     ode, sde = sa_sample(0.0), sa_sample(0.4)
     # diffusers' own flow grid would stop at sigma = 0.19 (mean 0.81 * 3); this one reaches data
@@ -152,6 +160,7 @@ def test_sa_solver_sample_reaches_the_data_distribution():
     assert sde.std().item() == pytest.approx(1.12053, abs=0.015)
 
 
+@pytest.mark.quick
 def test_sa_solver_sample_noise_only_inside_the_window():
     # tau 0: an ODE, the generator is unused
     assert torch.equal(sa_sample(0.0, seed=1), sa_sample(0.0, seed=2))
@@ -160,6 +169,7 @@ def test_sa_solver_sample_noise_only_inside_the_window():
     assert not torch.equal(sa_sample(0.4, seed=1), sa_sample(0.4, seed=2))
 
 
+@pytest.mark.quick
 def test_sde_sample_is_eulers_ode_or_the_flow_sde_step_by_step():
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
     scheduler.set_timesteps(6)
@@ -189,10 +199,12 @@ def one_process_run(tiny_sd3, tmp_path_factory):
     return pushed_run(SCRIPT, tiny_sd35_flags(tiny_sd3, out) + flags)  # the Hub a recorder
 
 
+@pytest.mark.quick
 def test_push_sends_the_final_ema_lora_with_its_card(one_process_run):
     assert_pushed(one_process_run, SCRIPT, epochs=2)
 
 
+@pytest.mark.quick
 def test_one_process_run(one_process_run):
     metrics = assert_common_run(one_process_run, epochs=2)
     for epoch, m in enumerate(metrics):
@@ -268,6 +280,7 @@ def test_learning_toy_accuracy_rises(tmp_path):
     assert_accuracy_rose(base, trained)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("flags,message", [
     (["--train-prompts", "missing.txt"], "does not exist"),
     (["--reward", "no_such_reward"], "no_such_reward"),

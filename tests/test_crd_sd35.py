@@ -19,6 +19,7 @@ SCRIPT = "crd_sd35.py"
 
 
 # ---- units: implicit reward ----------------------------------------------------------------
+@pytest.mark.quick
 def test_implicit_reward_by_hand():
     target = torch.tensor([[1.0, -1.0]])
     v, v_old = torch.tensor([[3.0, -1.0]]), torch.tensor([[0.0, 0.0]])
@@ -29,6 +30,7 @@ def test_implicit_reward_by_hand():
     assert crd_implicit_reward(v, v_old, target).item() == pytest.approx(-(4.0 - 2.0))
 
 
+@pytest.mark.quick
 def test_implicit_reward_is_zero_at_old_and_its_gradient_is_normalised_flow_matching():
     torch.manual_seed(0)
     target, v_old = torch.randn(3, 4, 2, 2), torch.randn(3, 4, 2, 2)
@@ -74,6 +76,7 @@ def centered_sq(r, a, p, beta):
     return ((beta * (r - (p * r).sum()) - (a - (p * a).sum())) ** 2).sum()
 
 
+@pytest.mark.quick
 def test_crd_loss_uniform_by_hand():
     # r_bar = 0.1, a_bar = 0.6: d = beta (0.2, -0.2, 0) - (0.3, -0.3, 0)
     for beta in (1.0, 2.0):
@@ -87,6 +90,7 @@ def test_crd_loss_uniform_by_hand():
                                                                                  rel=1e-5)
 
 
+@pytest.mark.quick
 def test_group_centering_is_per_group_and_equals_batch_centering_for_one_group():
     torch.manual_seed(1)
     r, advantages = torch.randn(6), 2 * torch.randn(6)
@@ -103,6 +107,7 @@ def test_group_centering_is_per_group_and_equals_batch_centering_for_one_group()
     assert got.item() == pytest.approx(batch.item(), rel=1e-6)
 
 
+@pytest.mark.quick
 def test_crd_gradient_at_old_is_the_centered_advantage():
     # r = 0 (current == old): dL/dr_i = 2 (adv_clip / beta) beta (-(a_i - a_bar)) / N,
     # with a_i - a_bar = (A_i - A_bar) / (2 adv_clip): the advantage itself, -(A_i - A_bar) / N
@@ -112,6 +117,7 @@ def test_crd_gradient_at_old_is_the_centered_advantage():
     assert torch.allclose(r.grad, -(ADVANTAGES - ADVANTAGES.mean()) / 3, atol=1e-6)
 
 
+@pytest.mark.quick
 def test_ranks_backpropagate_their_part_and_their_mean_is_the_whole_gradient():
     torch.manual_seed(2)
     r, advantages = torch.randn(6), 2 * torch.randn(6)
@@ -135,6 +141,7 @@ def test_ranks_backpropagate_their_part_and_their_mean_is_the_whole_gradient():
     assert torch.allclose(torch.cat(grads) / 2, whole.grad, atol=1e-7)
 
 
+@pytest.mark.quick
 def test_reward_adaptive_kl_by_hand():
     v = torch.tensor([[1.0, 3.0], [0.0, 0.0]])
     teacher = torch.tensor([[0.0, 1.0], [0.0, 2.0]])
@@ -153,6 +160,7 @@ def test_reward_adaptive_kl_by_hand():
 
 
 # ---- units: schedules, timesteps -----------------------------------------------------------
+@pytest.mark.quick
 def test_decay_schedules():
     old, sampling = (0, 0.25, 0.005, 0.999), (75, 0.0, 0.0075, 0.999)  # paper Table 3 (OCR)
     assert snapshot_decay(0, old) == 0.25 and snapshot_decay(2, old) == pytest.approx(0.26)
@@ -165,6 +173,7 @@ def test_decay_schedules():
     assert snapshot_decay(5, (0, 1.0, 0.0, 1.0)) == 1.0  # frozen
 
 
+@pytest.mark.quick
 def test_blend_snapshot_copy_freeze_blend():
     params = [torch.tensor([4.0, 8.0])]
     for decay, want in [(0.0, [4.0, 8.0]), (-1.0, [4.0, 8.0]), (1.0, [0.0, 0.0]),
@@ -174,6 +183,7 @@ def test_blend_snapshot_copy_freeze_blend():
         assert snap[0].tolist() == want
 
 
+@pytest.mark.quick
 def test_train_timesteps_are_stratified_over_the_grid():
     gen = torch.Generator().manual_seed(0)
     grid = torch.arange(10.0)  # stands for 10 sigmas: each value is its index
@@ -186,6 +196,7 @@ def test_train_timesteps_are_stratified_over_the_grid():
                    for j, i in enumerate(idx.tolist()))
 
 
+@pytest.mark.quick
 def test_sigma_grid_is_upstreams_shifted_linspace():
     import numpy as np
     from diffusers import FlowMatchEulerDiscreteScheduler
@@ -217,10 +228,12 @@ def one_process_run(tiny_sd3, tmp_path_factory):
     return pushed_run(SCRIPT, flags(tiny_sd3, out, "--epochs", "2"))  # the Hub a recorder
 
 
+@pytest.mark.quick
 def test_push_sends_the_final_ema_lora_with_its_card(one_process_run):
     assert_pushed(one_process_run, SCRIPT, epochs=2)
 
 
+@pytest.mark.quick
 def test_one_process_run_snapshots_follow_their_schedules(one_process_run):
     metrics = assert_common_run(one_process_run, epochs=2)
     assert metrics[0]["losses/first_r_theta_abs"] == 0.0  # old == current before an update
@@ -324,6 +337,7 @@ def test_nan_reward_stops_with_intact_checkpoint(tiny_sd3, tmp_path):
     assert all(torch.isfinite(t).all() for t in state["lora"])
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("extra,message", [
     (["--train-prompts", "missing.txt"], "does not exist"),
     (["--reward", "no_such_reward"], "no_such_reward"),

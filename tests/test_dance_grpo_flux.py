@@ -4,19 +4,23 @@ offline FLUX pipeline (MixGRPO's sliding window and Flash among them)."""
 
 import hashlib
 import math
+import shlex
+from dataclasses import asdict
 from functools import partial
 
 import numpy as np
 import pytest
 import torch
+import tyro
 from PIL import Image
 
-from dance_grpo_flux import (dance_sigmas, decode, encode, grpo_loss, image_ids, ode_sample,
-                             predict_velocity, rollout, select_train_steps)
+from dance_grpo_flux import (Args, dance_sigmas, decode, encode, grpo_loss, image_ids,
+                             ode_sample, predict_velocity, rollout, select_train_steps)
 from scripts_harness import (TOY_REWARD, assert_accuracy_rose, assert_bad_input,
                              assert_common_run, assert_eval_only_reproduces, assert_phases_add_up,
                              cut_back_copy, learning_run, lora_tensors, read_metrics, run_script,
                              tiny_sd35_flags)
+from scripts_harness import assert_pushed, pushed_run
 from sde import dpm_step, flash_sigmas, group_advantages, sde_step, sde_window
 
 SCRIPT = "dance_grpo_flux.py"
@@ -34,6 +38,7 @@ def dance_advantages(rewards, groups):
     return group_advantages(rewards, groups, True, eps=1e-8, ddof=1)
 
 
+@pytest.mark.quick
 def test_group_advantages_use_each_groups_unbiased_std():
     rewards = torch.tensor([1.0, 2.0, 3.0, 5.0, 4.0, 4.0])
     groups = torch.tensor([0, 0, 1, 1, 2, 2])
@@ -48,6 +53,7 @@ def test_group_advantages_use_each_groups_unbiased_std():
     assert torch.allclose(adv, want, atol=1e-6)
 
 
+@pytest.mark.quick
 def test_group_advantages_are_scale_free_and_sum_to_zero_per_group():
     rewards = torch.randn(24, generator=torch.Generator().manual_seed(0))
     order = torch.randperm(24, generator=torch.Generator().manual_seed(1))
@@ -59,6 +65,7 @@ def test_group_advantages_are_scale_free_and_sum_to_zero_per_group():
         assert adv[groups == g].std().item() == pytest.approx(1, abs=1e-5)
 
 
+@pytest.mark.quick
 def test_select_train_steps_is_a_per_sample_subset_without_the_last_step():
     gen = torch.Generator().manual_seed(0)
     steps = select_train_steps(64, 12, 0.6, gen)
@@ -79,6 +86,7 @@ def loss_of(log_prob, advantages, clip_range, accum_steps=1):
                      accum_steps=accum_steps)
 
 
+@pytest.mark.quick
 def test_grpo_loss_clips_ratio_and_advantage_and_divides_by_the_accumulation():
     zero = torch.zeros(2)
     loss, ratio, stats = loss_of(zero, torch.tensor([-1.0, -1.0]), 1e-4)
@@ -95,6 +103,7 @@ def test_grpo_loss_clips_ratio_and_advantage_and_divides_by_the_accumulation():
     assert loss.item() == pytest.approx(-5.0 / 4)  # the micro-step's share of the step's mean
 
 
+@pytest.mark.quick
 def test_dance_sigmas_are_the_shift3_grid():
     s = dance_sigmas(4, 3.0)
     u = torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])
@@ -102,6 +111,7 @@ def test_dance_sigmas_are_the_shift3_grid():
     assert s[0] == 1 and s[-1] == 0 and s[2].item() == pytest.approx(0.75)
 
 
+@pytest.mark.quick
 def test_image_ids_are_zero_row_column():
     ids = image_ids(4, 3, "cpu")
     assert ids.shape == (12, 3) and ids.dtype == torch.float32
@@ -117,6 +127,7 @@ def tiny_pipe(tiny_flux):
     return FluxPipeline.from_pretrained(tiny_flux)
 
 
+@pytest.mark.quick
 def test_decode_unpacks_the_tokens_the_pipeline_packed(tiny_pipe):
     """decode() of packed tokens is the VAE decode of the latent image FluxPipeline packed."""
     vae, channels = tiny_pipe.vae, tiny_pipe.vae.config.latent_channels
@@ -136,6 +147,7 @@ def velocity_of(pipe, prompts):
                    img_ids=image_ids(4, 4, "cpu"), guidance_scale=3.5)
 
 
+@pytest.mark.quick
 def test_rollout_then_mixed_step_rescoring_gives_ratio_one(tiny_pipe):
     """Training re-scores each sample at its own step in one forward: the log-probs equal the
     rollout's."""
@@ -155,12 +167,14 @@ def test_rollout_then_mixed_step_rescoring_gives_ratio_one(tiny_pipe):
     assert torch.allclose(log_prob, log_probs[rows, t], atol=1e-5, rtol=0)
 
 
+@pytest.mark.quick
 def test_sde_window_start_is_drawn_from_a_to_b_minus_k_inclusive():
     draws = {sde_window(2, (1, 5), 12, torch.Generator().manual_seed(s)) for s in range(100)}
     assert draws == {(1, 3), (2, 4), (3, 5)}  # start in 1..5-2, both ends; inside [1, 5)
     assert sde_window(0, (1, 5), 12, None) == (0, 12)  # no window: all SDE (the paper)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("window", [(1, 3), (0, 2), (2, 4)])
 def test_rollout_is_dance_sde_inside_the_window_and_ode_outside(tiny_pipe, window):
     velocity, sigmas = velocity_of(tiny_pipe, ["a cat", "a dog"]), dance_sigmas(4, 3.0)
@@ -196,6 +210,7 @@ def counting(velocity):
     return counted, calls
 
 
+@pytest.mark.quick
 def test_flash_rollout_is_dpm_solver_after_the_window_in_fewer_calls(tiny_pipe):
     """MixGRPO-Flash on 12 steps, window [0, 4), ratio 0.4: int(9 x 0.4) = 3 grid points from
     sigma_4 to 0, so 4 + 2 transformer calls, not 12. The window is the plain rollout's (same
@@ -218,6 +233,7 @@ def test_flash_rollout_is_dpm_solver_after_the_window_in_fewer_calls(tiny_pipe):
     assert not torch.allclose(out.sample, plain.sample, atol=1e-3)  # another solver and grid
 
 
+@pytest.mark.quick
 def test_an_empty_window_rollout_is_the_ode_and_keeps_nothing(tiny_pipe):
     """MixGRPO's window at its end, [B, B): every step is the Euler ODE, nothing to train."""
     velocity, sigmas = velocity_of(tiny_pipe, ["a cat", "a dog"]), dance_sigmas(4, 3.0)
@@ -232,9 +248,15 @@ def test_an_empty_window_rollout_is_the_ode_and_keeps_nothing(tiny_pipe):
 @pytest.fixture(scope="module")
 def one_process_run(tiny_flux, tmp_path_factory):
     out = tmp_path_factory.mktemp("dance1")
-    return run_script(SCRIPT, tiny_flux_flags(tiny_flux, out) + ["--epochs", "2"])
+    return pushed_run(SCRIPT, tiny_flux_flags(tiny_flux, out) + ["--epochs", "2"])  # a recorder
 
 
+@pytest.mark.quick
+def test_push_sends_the_final_ema_lora_with_its_card(one_process_run):
+    assert_pushed(one_process_run, SCRIPT, epochs=2)
+
+
+@pytest.mark.quick
 def test_one_process_run(one_process_run):
     metrics = assert_common_run(one_process_run, epochs=2)
     for m in metrics:
@@ -247,8 +269,24 @@ def test_one_process_run(one_process_run):
         checkpoint = one_process_run / "checkpoints" / f"epoch_{epoch:05d}"
         digest = hashlib.sha256((checkpoint / "state.pt").read_bytes()).hexdigest()
         assert (checkpoint / "state.pt.sha256").read_text() == digest
-    with Image.open(one_process_run / "eval_00000.png") as sheet:  # a labelled row per prompt
-        assert sheet.size == (640, 4 * (128 + 24))
+        # the epoch's metrics, for a relaunch that finishes the run
+        state = torch.load(checkpoint / "state.pt", map_location="cpu")
+        assert state["metrics"]["charts/global_step"] == 2 * epoch
+        mode = (checkpoint / "state.pt").stat().st_mode  # the LoRA files are as readable
+        for folder in ("lora", "ema_lora"):
+            weights = checkpoint / folder / "pytorch_lora_weights.safetensors"
+            assert weights.stat().st_mode == mode, (oct(weights.stat().st_mode), oct(mode))
+            # a card per folder, with the command that trains the run again
+            card = (checkpoint / folder / "README.md").read_text()
+            words = shlex.split(card.split("Trained with `")[1].split("`")[0])
+            assert words[:2] == ["python", SCRIPT]
+            parsed = asdict(tyro.cli(Args, args=words[2:]))
+            left_out = ["resume", "push_to_hub", "hub_model_id"]  # on purpose
+            assert {k: v for k, v in parsed.items() if k not in left_out} == {
+                k: v for k, v in state["args"].items() if k not in left_out}
+    # a title, then a labelled row per prompt, 640 wide
+    with Image.open(one_process_run / "eval_00000.png") as sheet:
+        assert sheet.size == (640, 24 + 4 * (640 + 24))
 
 
 def test_compiled_run_stays_on_policy_and_compiles_once(tiny_flux, tmp_path):
@@ -282,7 +320,8 @@ def test_lora_starts_from_peft_default_init(one_process_run):
 
 def test_resume_matches_uninterrupted_run(tiny_flux, tmp_path, one_process_run):
     first = cut_back_copy(one_process_run, tmp_path / "a")  # as if it had stopped after epoch 1
-    resume = ["--epochs", "2", "--resume", str(first / "checkpoints" / "epoch_00001")]
+    resume = ["--epochs", "2", "--resume", str(first / "checkpoints" / "epoch_00001"),
+              "--no-push-to-hub"]  # the run pushed (to a recorder); a flag given wins
     resumed = run_script(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path / "a") + resume)
     assert resumed == first  # continues its run dir
     assert [m["epoch"] for m in read_metrics(resumed)] == [0, 1]
@@ -304,14 +343,14 @@ def test_two_process_torchrun(tiny_flux, tmp_path):
     assert 0 < metrics[0]["eval/reward_stderr"] < metrics[0]["eval/reward_mean"]
     with Image.open(run_dir / "eval_00000.png") as sheet:
         pixels = np.asarray(sheet)
-    assert pixels.shape == (4 * (128 + 24), 640, 3)
-    assert (pixels[24:152, 128:256] != 255).any() and (pixels[24:152, 256:] == 255).all()
+    assert pixels.shape == (24 + 4 * (320 + 24), 640, 3)  # two 320-pixel columns
+    assert (pixels[:24] != 255).any()  # the title
+    assert (pixels[48:368, :320] != 255).any() and (pixels[48:368, 320:] != 255).any()
 
 
-# README's DanceGRPO demo (η 0.7, EMA 0.9, 64 epochs), run in the background from the session's
-# start (scripts_harness.LEARNING_RUNS)
-LEARNING_FLAGS = ["--batch-size", "16", "--learning-rate", "1e-3", "--noise-level", "0.7",
-                  "--ema-decay", "0.9", "--epochs", "64"]
+# README's DanceGRPO demo (`--toy`: η 0.7, EMA 0.9, 64 epochs), run in the background from the
+# session's start (scripts_harness.LEARNING_RUNS)
+LEARNING_FLAGS = ["--toy", "--epochs", "64"]
 
 
 def test_learning_toy_accuracy_rises(tmp_path):
@@ -319,8 +358,8 @@ def test_learning_toy_accuracy_rises(tmp_path):
     # noise (eval seeds 100-115) after 64 epochs rose by +0.027 (seed 42, this test: 0.507 ->
     # 0.534), +0.032 (seed 1), +0.035 (seed 2), each ± 0.018 (benchmarks/toy_demos.jsonl); a
     # run that changes nothing gains exactly 0. The smallest margin of the five tests: 1.5 s.e.
-    run_dir = learning_run(SCRIPT, LEARNING_FLAGS, tmp_path)
-    assert_accuracy_rose(read_metrics(run_dir))
+    base, trained, _ = learning_run(SCRIPT, LEARNING_FLAGS, tmp_path)
+    assert_accuracy_rose(base, trained)
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -337,6 +376,7 @@ def test_window_run_trains_only_the_window(tiny_flux, tmp_path, nproc):
         assert m["losses/on_policy_ratio_dev"] < 1e-6
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("flags,message", [
     (["--sde-window-size", "3", "--sde-window-range", "0", "2"], "does not fit"),
     (["--train-prompts", "missing.txt"], "does not exist"),
@@ -357,6 +397,7 @@ def test_bad_input_is_rejected_before_loading(tiny_flux, tmp_path, flags, messag
     assert_bad_input(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path) + flags, message)
 
 
+@pytest.mark.quick
 def test_resolution_must_fit_the_packing(tiny_flux, tmp_path):
     """(Through the real command line: the other bad-input cases run in this process, see
     assert_bad_input.)"""

@@ -1,10 +1,12 @@
 """dance_grpo_flux.py --full-finetune: FSDP2-sharded full fine-tuning on the tiny FLUX pipeline
 (1 and 2 processes, gloo on CPU), its torch.distributed.checkpoint resume, the diffusers-format
-export, its checkpoints' checks, preemption and the bad-input checks."""
+export, its checkpoints' checks (the shards' checksums), a relaunch that finishes the run,
+preemption and the bad-input checks."""
 
 import hashlib
 import math
 import shutil
+from pathlib import Path
 import subprocess
 import sys
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 import tyro
 from PIL import Image
+from torch.distributed.checkpoint import FileSystemReader
 
 import dance_grpo_flux
 import rewards
@@ -32,6 +35,19 @@ FULL = ["--full-finetune", "--learning-rate", "1e-3", "--clip-range", "0.2",
 
 def flags(tiny_flux, out, precision="bf16") -> list[str]:
     return tiny_flux_flags(tiny_flux, out, precision) + FULL
+
+
+def dcp_entries(checkpoint: Path) -> set[str]:
+    """The top-level entries (model, optimizer, ema) of a checkpoint's dcp/ state."""
+    metadata = FileSystemReader(str(checkpoint / "dcp")).read_metadata()
+    return {key.split(".")[0] for key in metadata.state_dict_metadata}
+
+
+def assert_readable_as_state_pt(checkpoint: Path, folder: str):
+    """The exported safetensors files have state.pt's mode (safetensors 0.8 writes 0600)."""
+    files = list((checkpoint / folder).glob("*.safetensors"))
+    mode = (checkpoint / "state.pt").stat().st_mode
+    assert files and all(path.stat().st_mode == mode for path in files), oct(mode)
 
 
 def exported(checkpoint, name="transformer") -> dict:
@@ -70,7 +86,7 @@ def eval_in_this_process(tiny_flux, run_flags, export_dir):
                              for i in ids])
         text = encode(pipe, [prompts[i] for i in ids], cpu, args.max_sequence_length)
 
-        def velocity(x, sigma):
+        def velocity(x, sigma, text=text):
             with autocast:
                 return predict_velocity(pipe.transformer, x, sigma, text,
                                         image_ids(grid, grid, cpu), args.guidance_scale)
@@ -80,7 +96,9 @@ def eval_in_this_process(tiny_flux, run_flags, export_dir):
         cells += list((images.permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8))
     rows = [(f"{score:.3f}  {prompt}", [cell]) for score, prompt, cell in zip(scores, prompts,
                                                                              cells)]
-    return float(np.mean(scores)), np.asarray(contact_sheet(rows))
+    mean, stderr = float(np.mean(scores)), float(np.std(scores, ddof=1) / len(scores) ** 0.5)
+    title = f"{SCRIPT} after {args.epochs} epochs: {mean:.4f} ± {stderr:.4f}"
+    return mean, np.asarray(contact_sheet(title, rows))
 
 
 @pytest.fixture(scope="module")
@@ -140,13 +158,19 @@ def test_one_process_full_finetune(full_run, base_weights, tiny_flux):
     ckpt = run_dir / "checkpoints" / "epoch_00002"
     state = torch.load(ckpt / "state.pt")
     assert state["kind"] == "full_finetune" and state["next_epoch"] == 2
+    assert state["metrics"]["charts/global_step"] == 4  # the last epoch's, for a relaunch
     assert (ckpt / "dcp" / ".metadata").is_file() and not (ckpt / "lora").exists()
     assert not list(run_dir.glob("checkpoints/*/*/README.md"))  # model cards are a LoRA's
-    # checked on resume: state.pt by its checksum (written last), the shards by their load
+    # checked on resume: state.pt by its checksum (written last), the shards by theirs in it
     digest = hashlib.sha256((ckpt / "state.pt").read_bytes()).hexdigest()
     assert (ckpt / "state.pt.sha256").read_text() == digest
-    assert sorted(path.name for path in (ckpt / "dcp").iterdir()) == [".metadata",
-                                                                      "__0_0.distcp"]
+    shards = {path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+              for path in (ckpt / "dcp").iterdir()}
+    assert state["dcp_sha256"] == shards and sorted(shards) == [".metadata", "__0_0.distcp"]
+    # --ema-decay 0 (the default): the EMA is the weights, kept once, and saved once
+    assert dcp_entries(ckpt) == {"model", "optimizer"}
+    assert not (ckpt / "ema_transformer").exists()
+    assert_readable_as_state_pt(ckpt, "transformer")
     assert not (run_dir / "checkpoints" / "epoch_00001" / "transformer").exists()
     trained = exported(ckpt)
     assert trained.keys() == base_weights.keys()
@@ -194,6 +218,11 @@ def test_two_process_full_finetune_shards_and_exports(tiny_flux, tmp_path, base_
     ckpt = run_dir / "checkpoints" / "epoch_00002"
     shards = sorted(p.name for p in (ckpt / "dcp").glob("*.distcp"))
     assert shards == ["__0_0.distcp", "__1_0.distcp"]
+    state = torch.load(ckpt / "state.pt")  # both ranks' shards checksummed
+    assert sorted(state["dcp_sha256"]) == [".metadata"] + shards
+    assert dcp_entries(ckpt) == {"model", "optimizer", "ema"}
+    for folder in ("transformer", "ema_transformer"):
+        assert_readable_as_state_pt(ckpt, folder)
     trained, ema = exported(ckpt), exported(ckpt, "ema_transformer")
     # FSDP2 keeps dim-0 chunk r of every weight on rank r: both ranks' shards of the big
     # weights moved
@@ -211,7 +240,8 @@ def test_two_process_full_finetune_shards_and_exports(tiny_flux, tmp_path, base_
 def test_full_finetune_bad_input(tiny_flux, tmp_path, full_run):
     """(fp16, refused for FLUX in every mode: test_dance_grpo_flux.py's bad-input cases.)
     --lora-rank and --lora-alpha are no error: a full fine-tune does not use them;
-    --push-to-hub is (it uploads a LoRA's folder)."""
+    --push-to-hub is (it uploads a LoRA's folder). --resume takes --full-finetune from the
+    checkpoint: only one given that differs is refused; so are fewer --epochs than saved."""
     base = flags(tiny_flux, tmp_path / "out")
     assert_bad_input(SCRIPT, base + ["--push-to-hub"], "--push-to-hub uploads a LoRA")
     with pytest.raises(ModelLoaded):
@@ -219,39 +249,86 @@ def test_full_finetune_bad_input(tiny_flux, tmp_path, full_run):
     full_checkpoint = str(full_run[0] / "checkpoints" / "epoch_00002")
     mismatch = "needs the --full-finetune it was saved with"
     assert_bad_input(SCRIPT, tiny_flux_flags(tiny_flux, tmp_path / "out") + [
-        "--resume", full_checkpoint], mismatch)
+        "--no-full-finetune", "--resume", full_checkpoint], mismatch)
+    assert_bad_input(SCRIPT, base + ["--epochs", "1", "--resume", full_checkpoint],
+                     "--epochs 1 < the checkpoint's 2")
     lora_checkpoint = tmp_path / "lora_ckpt"
     lora_checkpoint.mkdir()
-    torch.save({}, lora_checkpoint / "state.pt")
+    torch.save({"script": SCRIPT, "args": {}}, lora_checkpoint / "state.pt")
     digest = hashlib.sha256((lora_checkpoint / "state.pt").read_bytes()).hexdigest()
     (lora_checkpoint / "state.pt.sha256").write_text(digest)
     assert_bad_input(SCRIPT, base + ["--resume", str(lora_checkpoint)], mismatch)
 
 
-def test_a_checkpoint_whose_shards_do_not_load_ends_in_one_line(tiny_flux, tmp_path, full_run):
-    """state.pt's checksum covers no shard: a shard cut short (a full disk, a copy that
-    stopped) or missing is found by the load, which ends in one line naming the checkpoint and
-    changes nothing in the run directory. With no good state.pt, --resume latest starts anew."""
+def rewrite_state(checkpoint: Path, **changes):
+    """state.pt with `changes` (None: the key dropped), and its checksum to match."""
+    state = torch.load(checkpoint / "state.pt")
+    state = {key: value for key, value in {**state, **changes}.items() if value is not None}
+    torch.save(state, checkpoint / "state.pt")
+    digest = hashlib.sha256((checkpoint / "state.pt").read_bytes()).hexdigest()
+    (checkpoint / "state.pt.sha256").write_text(digest)
+
+
+def test_a_corrupt_or_missing_shard_fails_its_checksum(tiny_flux, tmp_path, full_run, capsys):
+    """state.pt keeps each dcp/ file's sha256: a shard with flipped bytes, or missing, ends
+    --resume in one line before the model loads, and --resume latest skips that checkpoint for
+    the one before, as for a corrupt state.pt. An older checkpoint, saved before the checksums,
+    is still found by the load, in one line, with nothing in the run directory changed. With no
+    good state.pt, --resume latest starts anew."""
     copy = tmp_path / "out" / full_run[0].name
     shutil.copytree(full_run[0], copy)
-    newest = copy / "checkpoints" / "epoch_00002"
+    older, newest = (copy / "checkpoints" / name for name in ("epoch_00001", "epoch_00002"))
     shard = newest / "dcp" / "__0_0.distcp"
-    shard.write_bytes(shard.read_bytes()[:-8])
-    for resume in ["latest", str(newest)]:  # latest: the newest, whose state.pt is good
-        if resume != "latest":  # the second run: the shard missing
-            shard.unlink()
-        run_flags = flags(tiny_flux, tmp_path / "out") + ["--epochs", "3", "--resume", resume]
-        process = run_script(SCRIPT, run_flags, check=False)
-        assert process.returncode == 1, process.stderr[-3000:]
-        errors = [line for line in process.stderr.splitlines() if "error" in line.lower()]
-        assert errors == [f"error: --resume '{newest}': its dcp/ shards do not load "
-                          "(CheckpointException)"], process.stderr[-3000:]
-        assert [m["epoch"] for m in read_metrics(copy)] == [0, 1] and newest.is_dir()
-    for save in ("epoch_00001", "epoch_00002"):  # none good: start anew
-        (copy / "checkpoints" / save / "state.pt.sha256").unlink()
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte, the size unchanged
+    shard.write_bytes(bytes(data))
+    corrupt = "corrupt: its dcp/__0_0.distcp does not match its checksum"
+    for _ in ("flipped", "missing"):
+        assert_bad_input(SCRIPT, flags(tiny_flux, tmp_path / "elsewhere") + [
+            "--epochs", "3", "--resume", str(newest)], f"error: --resume '{newest}': {corrupt}")
+        args = Args(model=tiny_flux, output_dir=str(tmp_path / "out"), resume="latest",
+                    epochs=3, full_finetune=True)
+        assert dance_grpo_flux.check_args(args)["next_epoch"] == 1 and args.resume == str(older)
+        assert f"skipping {newest}: {corrupt}\nresuming from {older}" in capsys.readouterr().out
+        shard.unlink(missing_ok=True)
+    shutil.copy(full_run[0] / "checkpoints" / "epoch_00002" / "dcp" / shard.name, shard)
+    shard.write_bytes(shard.read_bytes()[:-8])  # cut short, in a checkpoint with no checksums
+    rewrite_state(newest, dcp_sha256=None)
+    run_flags = flags(tiny_flux, tmp_path / "out") + ["--epochs", "3", "--resume", str(newest)]
+    process = run_script(SCRIPT, run_flags, check=False)
+    assert process.returncode == 1, process.stderr[-3000:]
+    errors = [line for line in process.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [f"error: --resume '{newest}': its dcp/ shards do not load "
+                      "(CheckpointException)"], process.stderr[-3000:]
+    assert [m["epoch"] for m in read_metrics(copy)] == [0, 1] and newest.is_dir()
+    for save in (older, newest):  # none good: start anew
+        (save / "state.pt.sha256").unlink()
     args = Args(model=tiny_flux, output_dir=str(tmp_path / "out"), resume="latest", epochs=3,
                 full_finetune=True)
     assert dance_grpo_flux.check_args(args) is None and args.resume is None
+
+
+def test_a_relaunch_after_the_last_save_finishes_the_run(tiny_flux, tmp_path, full_run,
+                                                         capsys):
+    """Stopped after saving the last epoch, before the final eval's line: --resume latest
+    loads that checkpoint's dcp/ and evaluates the loaded weights (the run's final eval, to the
+    bit) and logs the line the run would have. Then the run has finished: a relaunch says so
+    and exits 0 before the model loads."""
+    run_dir, _ = full_run
+    copy = tmp_path / "out" / run_dir.name
+    shutil.copytree(run_dir, copy)
+    lines = (copy / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (copy / "metrics.jsonl").write_text("".join(lines[:-1]))
+    relaunch = flags(tiny_flux, tmp_path / "out") + ["--epochs", "2", "--resume", "latest"]
+    process = run_script(SCRIPT, relaunch, check=False)
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert "eval after 2 epochs" in process.stdout and "epoch 1:" not in process.stdout
+    assert read_metrics(copy) == read_metrics(run_dir)  # the same line, the same final eval
+    args = Args(model=tiny_flux, output_dir=str(tmp_path / "out"), resume="latest", epochs=2,
+                full_finetune=True)
+    with pytest.raises(SystemExit) as finished:
+        dance_grpo_flux.check_args(args)
+    assert finished.value.code == 0 and f"{copy} has finished" in capsys.readouterr().out
 
 
 def test_preemption_of_a_full_finetune_loses_up_to_save_every_epochs(tiny_flux, tmp_path):

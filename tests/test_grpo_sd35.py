@@ -19,6 +19,7 @@ SCRIPT = "grpo_sd35.py"
 
 
 # ---- units ---------------------------------------------------------------------------------
+@pytest.mark.quick
 def test_group_advantages_by_hand():
     rewards = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 5.0])
     groups = torch.tensor([0, 0, 1, 1, 2, 2])
@@ -33,12 +34,14 @@ def test_group_advantages_by_hand():
     assert torch.isfinite(adv).all()
 
 
+@pytest.mark.quick
 def test_groups_may_be_interleaved():
     rewards, groups = torch.tensor([1.0, 10.0, 3.0, 20.0]), torch.tensor([0, 1, 0, 1])
     adv = group_advantages(rewards, groups, per_group_std=True)
     assert torch.allclose(adv, torch.tensor([-1.0, -1.0, 1.0, 1.0]), atol=1e-3)
 
 
+@pytest.mark.quick
 def test_gdpo_normalises_each_reward_within_its_group():
     groups = torch.tensor([0, 0, 1, 1])
     a, b = torch.tensor([0.0, 1.0, 0.0, 1.0]), torch.tensor([10.0, 30.0, 30.0, 10.0])
@@ -72,6 +75,7 @@ def policy_loss(log_ratio, advantages, clip_range):
     return loss, ratio
 
 
+@pytest.mark.quick
 def test_grpo_loss_by_hand():
     zero = torch.zeros(2)
     loss, ratio = policy_loss(zero, torch.tensor([-1.0, -1.0]), clip_range=1e-4)
@@ -87,6 +91,7 @@ def test_grpo_loss_by_hand():
     assert loss.item() == pytest.approx(-5.0)
 
 
+@pytest.mark.quick
 def test_grpo_loss_scale_kl_divisor_and_accumulation_by_hand():
     # one sample, two elements: mean 0, base-model mean (0.1, -0.2), sigma_t 0.5:
     # KL = mean(0.01, 0.04) / (2 x 0.25) = 0.05
@@ -103,6 +108,7 @@ def test_grpo_loss_scale_kl_divisor_and_accumulation_by_hand():
     assert stats["kl"] == 0.0 and stats["policy_loss"] == 1.0  # no base model, no RatioNorm
 
 
+@pytest.mark.quick
 def test_grpo_loss_gradient_on_policy_is_minus_advantage():
     lp = torch.zeros(2, requires_grad=True)
     loss, _ = policy_loss(lp, torch.tensor([2.0, -1.0]), clip_range=1e-4)
@@ -138,6 +144,7 @@ def velocity_of(model, cond, guidance_scale):
                    guidance_scale=guidance_scale)
 
 
+@pytest.mark.quick
 def test_sde_window_start_is_drawn_from_a_to_b_minus_k_inclusive():
     draws = [sde_window(3, (0, 5), 10, torch.Generator().manual_seed(s)) for s in range(200)]
     # upstream random.randint(0, 5 - 3): both ends included
@@ -152,6 +159,7 @@ def test_sde_window_start_is_drawn_from_a_to_b_minus_k_inclusive():
     assert draws_a == [sde_window(2, (0, 6), 10, gen_b) for _ in range(9)]  # resumable
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("kind", ["flow", "cps"])
 @pytest.mark.parametrize("window", [(2, 4), (0, 2), (3, 5)])
 def test_window_rollout_is_sde_inside_the_window_and_ode_outside(kind, window):
@@ -193,6 +201,7 @@ def test_window_rollout_is_sde_inside_the_window_and_ode_outside(kind, window):
             assert torch.allclose(std, sigmas[t + 1] * math.sin(0.8 * math.pi / 2))
 
 
+@pytest.mark.quick
 def test_rollout_on_random_steps_samples_only_those_by_sde():
     """UniRL's independent steps (--sde-random-steps): SDE on steps 0 and 3, Euler between."""
     sigmas, cond, model = torch.linspace(1, 0, 6), fake_cond(2), FakeVelocity()
@@ -206,6 +215,7 @@ def test_rollout_on_random_steps_samples_only_those_by_sde():
     assert torch.allclose(out.latents[:, 1], x, atol=1e-6)
 
 
+@pytest.mark.quick
 def test_rollout_without_a_window_is_the_sde_step_by_step():
     sigmas, cond, model = torch.linspace(1, 0, 5), fake_cond(3), FakeVelocity()
     noise = torch.randn(3, 4, 3, 3, generator=torch.Generator().manual_seed(0))
@@ -223,6 +233,7 @@ def test_rollout_without_a_window_is_the_sde_step_by_step():
     assert torch.equal(out.sample, x)
 
 
+@pytest.mark.quick
 def test_guidance_one_runs_no_unconditional_forward():
     model, cond = FakeVelocity(), fake_cond(3)
     x = torch.randn(3, 4, 3, 3)
@@ -236,6 +247,7 @@ def test_guidance_one_runs_no_unconditional_forward():
     assert model.batch_sizes == [3] * 4
 
 
+@pytest.mark.quick
 def test_ratio_norm_by_hand():
     # one sample, two elements: old mean 0, new mean (0.1, -0.2), std s = 0.5,
     # x' = old mean + s * eps with eps = (1, 1)
@@ -256,6 +268,7 @@ def test_ratio_norm_by_hand():
     assert torch.equal(on_policy, torch.zeros(1))  # exactly on-policy: ratio exactly 1
 
 
+@pytest.mark.quick
 def test_ratio_norm_is_mean_of_noise_times_mean_shift_at_any_step_std():
     gen = torch.Generator().manual_seed(0)
     old_mean, eps, shift = (torch.randn(4, 3, 2, 2, generator=gen) for _ in range(3))
@@ -278,10 +291,12 @@ def one_process_run(tiny_sd3, tmp_path_factory):
     return pushed_run(SCRIPT, flags)  # the Hub a recorder
 
 
+@pytest.mark.quick
 def test_push_sends_the_final_ema_lora_with_its_card(one_process_run):
     assert_pushed(one_process_run, SCRIPT, epochs=2)
 
 
+@pytest.mark.quick
 def test_one_process_run(one_process_run):
     metrics = assert_common_run(one_process_run, epochs=2)
     for m in metrics:
@@ -444,6 +459,7 @@ def test_window_run_resumes_exactly(tiny_sd3, tmp_path, fast_run):
     assert read_metrics(resumed)[1]["reward/mean"] == read_metrics(fast_run[0])[1]["reward/mean"]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("flags,message", [
     (["--sde-window-size", "3", "--sde-window-range", "0", "2"], "does not fit"),
     (["--sde-window-size", "2", "--sde-window-range", "3", "5"], "does not fit"),  # B > 4 steps
@@ -460,6 +476,7 @@ def test_bad_input_is_rejected_before_loading(tiny_sd3, tmp_path, flags, message
     assert_bad_input(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path) + flags, message)
 
 
+@pytest.mark.quick
 def test_empty_prompt_file_is_rejected(tiny_sd3, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
@@ -467,6 +484,7 @@ def test_empty_prompt_file_is_rejected(tiny_sd3, tmp_path):
     assert_bad_input(SCRIPT, flags, "is empty")
 
 
+@pytest.mark.quick
 def test_toy_reward_flag_is_the_default_of_the_harness():
     assert TOY_REWARD.endswith(":brightness")
 

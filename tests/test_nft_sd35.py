@@ -25,6 +25,7 @@ def policy_loss(v, v_old, x0, xt, t, advantages, beta, adv_clip=5.0):
 
 
 # ---- units ---------------------------------------------------------------------------------
+@pytest.mark.quick
 def test_nft_loss_by_hand():
     # one sample, two elements; t = 0.5, x0 = 0, eps = (2, -2) -> xt = (1, -1)
     x0, xt, t = torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]), torch.tensor([0.5])
@@ -47,6 +48,7 @@ def test_nft_loss_by_hand():
     assert stats["old_deviate"] == 2.0  # mean((v - v_old)^2) = mean(4, 0)
 
 
+@pytest.mark.quick
 def test_nft_loss_batch_mean_and_error_floor():
     x0 = torch.zeros(2, 3)
     xt = torch.zeros(2, 3)  # zero error everywhere: the 1e-5 floor keeps the division finite
@@ -55,6 +57,7 @@ def test_nft_loss_batch_mean_and_error_floor():
     assert loss.item() == 0.0
 
 
+@pytest.mark.quick
 def test_nft_gradient_at_old_policy_is_advantage_weighted_flow_matching():
     torch.manual_seed(0)
     B = 3
@@ -73,6 +76,7 @@ def test_nft_gradient_at_old_policy_is_advantage_weighted_flow_matching():
     assert torch.allclose(v.grad, u.grad, atol=1e-6)
 
 
+@pytest.mark.quick
 def test_old_decay_schedules():
     assert [old_decay(s, 0) for s in (0, 100, 10_000)] == [0.0, 0.0, 0.0]
     assert old_decay(0, 1) == 0.0 and old_decay(100, 1) == pytest.approx(0.1)
@@ -84,6 +88,7 @@ def test_old_decay_schedules():
     assert old_decay(208, 2) < 0.999 and old_decay(209, 2) == 0.999
 
 
+@pytest.mark.quick
 def test_dpm_sample_is_exact_on_straight_lines():
     """A straight-line field v = (x - x0) / sigma (every x0-prediction equals x0): every latent
     lies on the line."""
@@ -103,6 +108,7 @@ def test_dpm_sample_is_exact_on_straight_lines():
     assert torch.allclose(latents[:, -1], x0, atol=1e-6)
 
 
+@pytest.mark.quick
 def test_dpm_sample_by_hand_first_order_at_both_ends():
     """v = x (x0-prediction (1 - sigma) x), one scalar latent 1, grid 1, 1/2, 1/(1+e),
     1/(1+e^2), 0: log-SNR log((1 - sigma) / sigma) = -inf, 0, 1, 2, +inf. Steps 0 and 3 are
@@ -138,10 +144,12 @@ def one_process_run(tiny_sd3, tmp_path_factory):
     return pushed_run(SCRIPT, flags(tiny_sd3, out, "--epochs", "2", "--decay-type", "1"))
 
 
+@pytest.mark.quick
 def test_push_sends_the_final_ema_lora_with_its_card(one_process_run):
     assert_pushed(one_process_run, SCRIPT, epochs=2)
 
 
+@pytest.mark.quick
 def test_one_process_run_old_policy_follows_its_schedule(one_process_run):
     metrics = assert_common_run(one_process_run, epochs=2)
     assert metrics[0]["losses/first_old_deviate"] == 0.0  # old == current before the first update
@@ -221,6 +229,7 @@ def test_learning_toy_accuracy_rises(tmp_path):
     assert_accuracy_rose(base, trained)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("extra,message", [
     (["--train-prompts", "missing.txt"], "does not exist"),
     (["--reward", "no_such_reward"], "no_such_reward"),
