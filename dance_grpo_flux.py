@@ -3,8 +3,16 @@
 Paper: DanceGRPO, https://arxiv.org/abs/2505.07818
 Docs: docs/dance_grpo.md (recipes, metrics, the toy-world demo).
 
-Defaults: upstream's LoRA recipe (XueZeyue/DanceGRPO@15cc71d, HPS v2.1), on 8 GPUs:
-    torchrun --nproc_per_node 8 dance_grpo_flux.py --train-prompts TRAIN --test-prompts TEST
+The defaults: upstream's LoRA recipe (finetune_flux_grpo_8gpus_lora.sh, HPS v2.1):
+    torchrun --nproc_per_node 8 dance_grpo_flux.py --train-prompts hpd/train.txt \
+        --test-prompts hpd/test.txt
+
+Provenance: XueZeyue/DanceGRPO@15cc71d, fastvideo/train_grpo_flux.py unless named.
+    dance_sigmas, rollout  sd3_time_shift, run_sample_step (sde.py: flux_step)
+    grpo_loss, select_train_steps  train_one_step, grpo_one_step (--use_group)
+    LORA_TARGETS  train_grpo_flux_lora.py; the EMA: flow_grpo/ema.py (flow_grpo)
+    shard_for_full_finetune  fastvideo/utils/fsdp_util.py (FSDP1 there)
+    sde_window, dpm_step  MixGRPO(-Flash): Tencent-Hunyuan/MixGRPO@e5cdd6a
 """
 
 import glob
@@ -52,10 +60,10 @@ from sde import dpm_step, flash_sigmas, group_advantages, sde_step, sde_window, 
 # ALGO LOGIC: what a researcher changes. TRY NOT TO MODIFY: plumbing; it
 # reads five names that ALGO LOGIC sets:
 #   eval_sigmas  the sigma grid of eval's ODE sampler
-#   group_ids    (P*G,) the group (prompt) of each of the epoch's images
+#   group_ids    (P*G,) each of the epoch's images' prompt
 #   futures      this rank's micro-batches' rewards
-#   grad_norm    the gradient norm of the last optimizer step
-#   summary      the algorithm's part of the epoch's line on stdout
+#   grad_norm    the last optimizer step's gradient norm
+#   summary      the algorithm's part of the epoch's line
 
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # in every attention
 
@@ -189,8 +197,6 @@ RANGES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: 
           "in (0, 1]": lambda x: 0 < x <= 1, "in [0, 1]": lambda x: 0 <= x <= 1}
 
 # ALGO LOGIC: the sampler and the loss
-STEP_STREAM = 1  # seed key: a sample's trained steps
-GROUP_NOISE_STREAM = 2  # seed key: a group's initial latent
 
 
 def dance_sigmas(num_steps: int, shift: float) -> torch.Tensor:
@@ -428,10 +434,6 @@ def encode(pipe, prompts: list[str], device, max_sequence_length: int) -> Text:
     return Text(embeds, pooled)
 
 
-def image_ids(height: int, width: int, device) -> torch.Tensor:
-    return FluxPipeline._prepare_latent_image_ids(1, height, width, device, torch.float32)
-
-
 def predict_velocity(transformer, x, sigma, text: Text, img_ids,
                      guidance_scale: float) -> torch.Tensor:
     sigma = torch.as_tensor(sigma, device=x.device, dtype=torch.float32)
@@ -517,7 +519,6 @@ def save_checkpoint(path, transformer, params, ema_params, optimizer, next_epoch
                 config = {**transformer.config, "_class_name": "FluxTransformer2DModel"}
                 with open(f"{folder}/config.json", "w") as file:
                     json.dump(config, file, indent=2)
-        state["kind"] = "full_finetune"
     elif rank == 0:
         for name, copies in [("lora", []), ("ema_lora", ema_params)]:
             with swapped(params, copies):
@@ -743,7 +744,8 @@ if __name__ == "__main__":
         fail("--flash-ratio needs an SDE window that ends before --num-steps")
     num_train_steps = window_size or int((args.num_steps - 1) * args.timestep_fraction)
     if num_train_steps < 1:
-        fail(f"--timestep-fraction {args.timestep_fraction} trains no step of {args.num_steps - 1}")
+        fail(f"--timestep-fraction {args.timestep_fraction} trains no step of "
+             f"{args.num_steps - 1}")
     sigmas = dance_sigmas(args.num_steps, args.shift).to(device)
     eval_sigmas = dance_sigmas(args.eval_num_steps, args.shift).to(device)
     if not args.eval_only:
@@ -777,7 +779,7 @@ if __name__ == "__main__":
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     grid_size = args.resolution // pipe.vae_scale_factor // 2  # tokens: 2x2 latents
     latent_shape = (grid_size**2, transformer.config.in_channels)
-    img_ids = image_ids(grid_size, grid_size, device)
+    img_ids = pipe._prepare_latent_image_ids(1, grid_size, grid_size, device, torch.float32)
 
     def velocity(x, sigma, text: Text):
         with autocast:
@@ -787,14 +789,11 @@ if __name__ == "__main__":
     start_epoch = state["next_epoch"] if state else 0
     global_step = state["global_step"] if state else 0
     if state and args.full_finetune:  # on any GPU count
-        kept = ema_params if state["args"]["ema_decay"] else []  # 0: none
         try:  # they may not fit
-            dist.checkpoint.load(sharded_state(transformer, optimizer, kept),
+            dist.checkpoint.load(sharded_state(transformer, optimizer, ema_params),
                                  checkpoint_id=f"{args.resume}/dcp")
         except (Exception, dist.checkpoint.CheckpointException) as error:
             fail(f"--resume {args.resume!r}: its dcp/ shards do not load ({type(error).__name__})")
-        for ema, p in zip([] if kept else ema_params, params):
-            ema.copy_(p.detach())  # a new EMA: the weights
     elif state:
         for p, saved in zip(params + ema_params, state["lora"] + state["ema"]):
             p.data.copy_(saved)
@@ -940,7 +939,7 @@ if __name__ == "__main__":
             if args.init_same_noise:
                 noise = torch.stack([
                     torch.randn(latent_shape, device=device, generator=seeded_generator(
-                        device, args.seed, epoch, int(group), GROUP_NOISE_STREAM))
+                        device, args.seed, epoch, int(group), 2))  # 2: a group's latent
                     for group in groups])
             else:
                 noise = torch.randn(len(groups), *latent_shape, generator=noise_gen, device=device)
@@ -973,7 +972,8 @@ if __name__ == "__main__":
         extras = rank_mean(extras, world, device)
         if reward_fn.group_transform is not None:  # e.g. ranks within each group
             all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
-        advantages = group_advantages(all_rewards, group_ids, per_group_std=True, eps=1e-8, ddof=1)
+        advantages = group_advantages(all_rewards, group_ids, per_group_std=True,
+                                      eps=1e-8, ddof=1)
         check_finite(f"epoch {epoch}", run_dir, reward=all_rewards, advantage=advantages)
         group_std = torch.stack([all_rewards[group_ids == group].std(unbiased=False)
                                  for group in range(args.prompts_per_epoch)])
@@ -983,7 +983,7 @@ if __name__ == "__main__":
         k = window[1] - window[0] if window_size else num_train_steps
         accum_steps = num_batches // args.updates_per_epoch * k
         my_advantages = advantages.to(device).view(world, num_batches, args.batch_size)[rank]
-        step_gen = seeded_generator(torch.device("cpu"), args.seed, epoch, rank, STEP_STREAM)
+        step_gen = seeded_generator(torch.device("cpu"), args.seed, epoch, rank, 1)  # steps
         stats = defaultdict(list)
         on_policy_dev = float("nan")
         grad_norm = float("nan")

@@ -14,7 +14,7 @@ import dance_grpo_flux
 import grpo_sd35
 from scripts_harness import (REPO, ModelLoaded, assert_bad_input,
                              cut_back_copy, read_metrics, run_script, tiny_sd35_flags)
-from test_dance_grpo_flux import tiny_flux_flags
+from test_dance_grpo_flux import image_ids, tiny_flux_flags
 
 # LoRA scale alpha / rank = 2, and an EMA that differs from the LoRA
 LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--ema-decay", "0.5", "--learning-rate", "1e-2"]
@@ -32,7 +32,7 @@ def velocity(module, transformer, flux: bool) -> torch.Tensor:
         if flux:  # 4x4 packed latent tokens
             latents = torch.randn(2, 16, config.in_channels, generator=generator)
             return module.predict_velocity(transformer, latents, 0.6, text,
-                                           module.image_ids(4, 4, "cpu"), 3.5)
+                                           image_ids(4, 4, "cpu"), 3.5)
         latents = torch.randn(2, config.in_channels, 8, 8, generator=generator)
         return module.predict_velocity(transformer, latents, 0.6, text, None, 1.0)
 

@@ -14,8 +14,8 @@ import torch
 import tyro
 from PIL import Image
 
-from dance_grpo_flux import (Args, dance_sigmas, decode, encode, grpo_loss, image_ids,
-                             ode_sample, predict_velocity, rollout, select_train_steps)
+from dance_grpo_flux import (Args, dance_sigmas, decode, encode, grpo_loss, ode_sample,
+                             predict_velocity, rollout, select_train_steps)
 from scripts_harness import (TOY_REWARD, assert_accuracy_rose, assert_bad_input,
                              assert_common_run, assert_eval_only_reproduces, assert_phases_add_up,
                              cut_back_copy, learning_run, lora_tensors, read_metrics, run_script,
@@ -24,6 +24,13 @@ from scripts_harness import assert_pushed, pushed_run
 from sde import dpm_step, flash_sigmas, group_advantages, sde_step, sde_window
 
 SCRIPT = "dance_grpo_flux.py"
+
+
+def image_ids(height: int, width: int, device) -> torch.Tensor:
+    """The latent tokens' ids, as the script's main builds its img_ids."""
+    from diffusers import FluxPipeline
+
+    return FluxPipeline._prepare_latent_image_ids(1, height, width, device, torch.float32)
 
 
 def tiny_flux_flags(model: str, out, precision: str = "no") -> list[str]:
