@@ -332,7 +332,10 @@ def check_args(args) -> dict | None:
         state = load_state(args.resume)
         if isinstance(state, str):
             fail(f"--resume {args.resume!r}: {state}")
-    if args.resume:  # the checkpoint's flags, but those given
+    script = os.path.basename(__file__)
+    if args.resume:  # its flags, but those given
+        if state.get("script") != script:
+            fail(f"--resume {args.resume!r} is not a checkpoint of {script}")
         say(f"resuming from {args.resume}")
         given = {word[2:].split("=")[0].removeprefix("no-").replace("-", "_")
                  for word in sys.argv[1:] if word.startswith("--")}
@@ -375,9 +378,6 @@ def check_args(args) -> dict | None:
         args.hub_model_id = args.hub_model_id or f"{user}/{args.exp_name}"
     if not args.resume:
         return None
-    script = os.path.basename(__file__)
-    if state.get("script") != script:
-        fail(f"--resume {args.resume!r} is not a checkpoint of {script}")
     for name in STATE_FLAGS:
         if state["args"][name] != getattr(args, name):
             fail(f"--{name.replace('_', '-')} {getattr(args, name)!r} differs from the "
