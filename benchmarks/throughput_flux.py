@@ -36,7 +36,7 @@ from peft import LoraConfig
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "tests"), os.path.join(REPO, "benchmarks")]
 from dance_grpo_flux import (LORA_TARGETS, Text, dance_sigmas, decode,  # noqa: E402
-                             image_ids, predict_velocity, rollout)
+                             predict_velocity, rollout)
 from sde import sde_step  # noqa: E402
 from throughput import (ATTENTION_BACKENDS, checkpoint_blocks, compile_blocks,  # noqa: E402
                         device_name, flops_of, matmul_peak, timed, timed_first,
@@ -164,7 +164,8 @@ def main(args: Args):
                          dtype=dtype, generator=gen)
     pooled = torch.randn(B, tr.config.pooled_projection_dim, device=device, dtype=dtype,
                          generator=gen)
-    img_ids = image_ids(latent // 2, latent // 2, device)
+    img_ids = FluxPipeline._prepare_latent_image_ids(1, latent // 2, latent // 2, device,
+                                                     torch.float32)
     sigmas = dance_sigmas(args.num_steps, 3.0).to(device)
     state = {}
 

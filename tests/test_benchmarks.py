@@ -308,3 +308,17 @@ def test_gpu_check_tiny_path_writes_its_summary_and_results(tmp_path):
     assert any(name.startswith("demos/dance-42/") and name.endswith("metrics.jsonl")
                for name in names)
     assert "grpo-eager: ok" in (out / "gpu_check.log").read_text()
+
+
+@pytest.mark.quick
+def test_healthy_ranges_table_spans_every_seed():
+    """benchmarks/healthy_ranges.py's table: each metric's range over all seeds, then each
+    seed's own; a metric one seed did not log shows a dash there."""
+    import healthy_ranges
+
+    rows = [{"seed": 42, "ranges": {"losses/kl": [1.3, 1.7], "reward/mean": [0.4, 0.5]}},
+            {"seed": 1, "ranges": {"losses/kl": [1.2, 1.6]}}]
+    lines = healthy_ranges.table(rows).splitlines()
+    assert lines[0] == "| metric | seeds 42, 1 | seed 42 | seed 1 |"
+    assert lines[2] == "| `losses/kl` | 1.2 – 1.7 | 1.3 – 1.7 | 1.2 – 1.6 |"
+    assert lines[3] == "| `reward/mean` | 0.4 – 0.5 | 0.4 – 0.5 | – |"
