@@ -7,6 +7,7 @@ docs pages quote these ranges as "healthy": a run of the demo outside them is un
 
     python benchmarks/healthy_ranges.py                     # 5 demos x 3 seeds (CPU: ~40 min)
     python benchmarks/healthy_ranges.py --scripts crd --seeds 42
+    python benchmarks/healthy_ranges.py --report --keys losses/ charts/ reward/mean   # the log's
 
 Writes one JSON line per run to --log (benchmarks/healthy_ranges.jsonl: the demo, the seed,
 {metric: [min, max]} over its epochs) and prints a Markdown table per demo. Timings (perf/*) and
@@ -52,13 +53,14 @@ def one_run(name: str, seed: int, work: Path) -> dict:
     return {"demo": name, "seed": seed, "epochs": len(rows), "ranges": ranges}
 
 
-def table(rows: list[dict]) -> str:
-    """Markdown: metric | the three seeds' range | each seed's range."""
+def table(rows: list[dict], keys: tuple[str, ...] = ("",)) -> str:
+    """Markdown: metric | the three seeds' range | each seed's range (the metrics that start
+    with one of `keys`)."""
     seeds = [row["seed"] for row in rows]
     lines = [f"| metric | seeds {', '.join(map(str, seeds))} | "
              + " | ".join(f"seed {seed}" for seed in seeds) + " |",
              "|---" * (2 + len(seeds)) + "|"]
-    for key in rows[0]["ranges"]:
+    for key in [key for key in rows[0]["ranges"] if key.startswith(keys)]:
         each = [row["ranges"].get(key) for row in rows]
         known = [pair for pair in each if pair]
         low, high = min(p[0] for p in known), max(p[1] for p in known)
@@ -73,17 +75,23 @@ def main():
     parser.add_argument("--seeds", nargs="+", type=int, default=[42, 1, 2])
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--log", default=str(REPO / "benchmarks" / "healthy_ranges.jsonl"))
+    parser.add_argument("--report", action="store_true", help="tables of --log's runs, no run")
+    parser.add_argument("--keys", nargs="+", default=[""], help="metric prefixes to report")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="healthy-"))
-    jobs = [(name, seed) for name in args.scripts for seed in args.seeds]
-    with ThreadPoolExecutor(args.jobs) as pool:
-        rows = list(pool.map(lambda job: one_run(*job, work), jobs))
-    with open(args.log, "a") as file:
-        for row in rows:
-            file.write(json.dumps(row) + "\n")
+    if args.report:
+        rows = [json.loads(line) for line in Path(args.log).read_text().splitlines()]
+        rows = [row for row in rows if row["demo"] in args.scripts and row["seed"] in args.seeds]
+    else:
+        work = Path(tempfile.mkdtemp(prefix="healthy-"))
+        jobs = [(name, seed) for name in args.scripts for seed in args.seeds]
+        with ThreadPoolExecutor(args.jobs) as pool:
+            rows = list(pool.map(lambda job: one_run(*job, work), jobs))
+        with open(args.log, "a") as file:
+            for row in rows:
+                file.write(json.dumps(row) + "\n")
     for name in args.scripts:
         print(f"\n{name} ({SCRIPTS[name]} --toy)\n")
-        print(table([row for row in rows if row["demo"] == name]))
+        print(table([row for row in rows if row["demo"] == name], tuple(args.keys)))
 
 
 if __name__ == "__main__":
