@@ -108,7 +108,8 @@ def test_resume_latest_takes_the_newest_good_checkpoint_and_says_so(clean_run, t
     (older / "checkpoints" / "epoch_00003" / "state.pt").touch()  # mtime says nothing
     newest = newer / "checkpoints" / "epoch_00003" / "state.pt"
     data = bytearray(newest.read_bytes())
-    data[len(data) // 2 : len(data) // 2 + 16] = bytes(16)  # 16 flipped bytes
+    middle = len(data) // 2
+    data[middle : middle + 16] = bytes(byte ^ 0xFF for byte in data[middle : middle + 16])
     newest.write_bytes(data)
     args = grpo_sd35.Args(model=faulty.model, output_dir=str(out), resume="latest",
                           epochs=4)
