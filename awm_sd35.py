@@ -70,7 +70,7 @@ from sde import compute_advantages, sde_step
 #   grad_norm    the gradient norm of the last optimizer step
 #   summary      the algorithm's part of the epoch's line on stdout
 
-# The joint-attention projections of every MMDiT block, as flow_grpo, NFT and AWM
+# The joint-attention projections of every MMDiT block (flow_grpo, NFT, AWM)
 LORA_TARGETS = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj",
                 "attn.to_add_out", "attn.to_k", "attn.to_out.0", "attn.to_q",
                 "attn.to_v")
@@ -158,7 +158,7 @@ class Args:
     noise_level: float = 0.4
     """SA-Solver's tau (0: ODE); flow_sde: sde.py's noise level a"""
     tau_window: tuple[float, float] = (0.3, 0.9)
-    """SA-Solver steps into a sigma in this range have tau --noise-level, others 0"""
+    """SA-Solver steps into a sigma in this range have noise tau, others 0"""
     prompts_per_epoch: Annotated[int, ">= 1"] = 72
     """prompts (groups) per epoch, over all GPUs"""
     batch_size: Annotated[int, ">= 1"] = 6
@@ -166,11 +166,11 @@ class Args:
     train_batch_size: Annotated[int, ">= 1"] = 3
     """per-GPU training micro-batch (a forward: train_timesteps x this)"""
     ema_decay: Annotated[float, "in [0, 1)"] = 0.99
-    """EMA decay of the LoRA used for eval and the saved `ema_lora` (0: off)"""
+    """EMA decay of the LoRA for eval and `ema_lora` (0: off)"""
     train_timesteps: Annotated[int, ">= 1"] = 6
     """K: timesteps per micro-batch, one per stratum, shared by its samples"""
     time_type: Literal["discrete_wo_init", "discrete"] = "discrete_wo_init"
-    """timestep strata from grid index 1 (never sigma = 1) or 0"""
+    """timestep strata from grid index 1 (never sigma 1) or 0"""
     timestep_fraction: Annotated[float, "in (0, 1]"] = 0.9
     """train on this fraction of the grid (its least noisy steps are left out)"""
     adv_clip: Annotated[float, "> 0"] = 5.0
@@ -281,8 +281,8 @@ def awm_loss(*, log_prob, advantages, v, v_base, v_anchor, adv_clip,
     if v_anchor is not None:
         anchor_kl = ((v - v_anchor) ** 2).mean()
     loss = policy_loss.float() + kl_beta * kl + anchor_beta * anchor_kl
-    stats = {"policy_loss": policy_loss.item(), "kl": kl.item(),
-             "anchor_kl": anchor_kl.item()}
+    stats = {"policy_loss": policy_loss.item(), "kl": kl.item(), "kl_loss": kl_beta * kl.item(),
+             "anchor_kl": anchor_kl.item(), "anchor_loss": anchor_beta * anchor_kl.item()}
     return loss / accum_steps, stats
 
 
@@ -726,7 +726,7 @@ if __name__ == "__main__":
     if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
         run_dir = os.path.dirname(parent)  # a resume goes on in its run
 
-    # ALGO LOGIC: from images to optimizer steps. Defaults, 8 GPUs: 216 images per GPU
+    # ALGO LOGIC: images to optimizer steps. Defaults, 8 GPUs: 216 images a GPU
     # in 36 rollout batches of 6, 72 micro-batches of 3 x K = 6 timesteps, 1 update.
     if local_images % args.train_batch_size:
         fail(f"{local_images} images per GPU per epoch do not split into "
@@ -924,7 +924,7 @@ if __name__ == "__main__":
         epoch_text = encode(pipe, epoch_prompts, device, args.max_sequence_length)
         sampling_start = clock(device)
 
-        # ALGO LOGIC: sampling: a rank's share of the shuffled images (any solver will do)
+        # ALGO LOGIC: sampling: a rank's share of the shuffled images (any solver)
         group_ids = torch.arange(args.prompts_per_epoch).repeat_interleave(args.group_size)
         group_ids = group_ids[torch.randperm(images_per_epoch, generator=prompt_gen)]
         my_groups = group_ids.view(world, num_batches, args.batch_size)[rank]
@@ -972,7 +972,7 @@ if __name__ == "__main__":
                                  for group in range(args.prompts_per_epoch)])
         training_start = clock(device)
 
-        # ALGO LOGIC: training: awm_loss on the samples re-noised at K stratified timesteps
+        # ALGO LOGIC: training: awm_loss on samples re-noised at K stratified steps
         my_advantages = advantages.to(device).view(world, local_images)[rank]
         transformer.train()
         train_gen = seeded_generator(device, args.seed, epoch, rank, 1)  # sigmas, noise
@@ -1014,8 +1014,8 @@ if __name__ == "__main__":
             optimizer, scaler, lora_params, args.max_grad_norm, world, loss,
             f"epoch {epoch}, step {global_step}", run_dir)
         global_step += 1
-        # Upstream's EMA, its warm-up; the anchor's 'linear' decay, +0.001 a step to 0.3,
-        # keeps it near each update's start: anchor_kl is a trust region ("mimic TRPO").
+        # Upstream's EMA, its warm-up; the anchor's 'linear' decay (+0.001 a step, to
+        # 0.3) keeps it near each step's start: a trust region ("mimic TRPO").
         decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))
         anchor_decay = min(0.3, 0.001 * global_step)
         for ema, anchor, p in zip(ema_params, anchor_params, lora_params):

@@ -165,7 +165,7 @@ class Args:
     window_stride: int = 1
     """steps it slides by (UniRL's MixGRPO: 3; 0: stays at A)"""
     sde_random_steps: int = 0
-    """K > 0: SDE on K random steps of [A, B), an epoch's draw (UniRL's DPPO)"""
+    """K > 0: SDE on K random steps of [A, B), an epoch's draw (UniRL's)"""
     prompts_per_epoch: Annotated[int, ">= 1"] = 48
     """prompts (groups) per epoch, over all GPUs"""
     batch_size: Annotated[int, ">= 1"] = 9
@@ -257,7 +257,7 @@ def grpo_loss(*, log_prob, old_log_prob, advantages, mean, old_mean, std, ref_me
         stats["dppo_masked_frac"] = 1 - keep.float().mean().item()
         stats["dppo_old_kl"] = old_kl.mean().item()
         stats["dppo_old_kl_max"] = old_kl.max().item()
-        policy_loss = torch.where(keep, -advantages * ratio, 0.0).mean()  # UniRL's
+        policy_loss = torch.where(keep, -advantages * ratio, 0.0).mean()
     else:
         advantages = advantages.clamp(-adv_clip, adv_clip)
         clipped_ratio = ratio.clamp(1 - clip_range, 1 + clip_range)
@@ -268,7 +268,7 @@ def grpo_loss(*, log_prob, old_log_prob, advantages, mean, old_mean, std, ref_me
     if ref_mean is not None:
         squared = ((mean - ref_mean) ** 2).mean(dim=(1, 2, 3))
         kl = (squared / (2 * kl_sigma**2)).mean()
-    stats |= {"policy_loss": policy_loss.item(), "kl": kl.item(),
+    stats |= {"policy_loss": policy_loss.item(), "kl": kl.item(), "kl_loss": kl_beta * kl.item(),
               "clipfrac": ((ratio - 1).abs() > clip_range).float().mean().item()}
     return (policy_loss + kl_beta * kl) / accum_steps, ratio, stats
 
@@ -715,7 +715,7 @@ if __name__ == "__main__":
 
     # ALGO LOGIC: images to optimizer steps. On 8 GPUs: 48 x 24 images, 144 a GPU
     # in 16 micro-batches of 9, each training int(10 x 0.99) = 9 steps (micro-steps);
-    # 2 updates an epoch, each of 8 x 9 = 72 micro-steps (accum_steps).
+    # 2 updates an epoch, each 8 x 9 = 72 micro-steps (accum_steps).
     if num_batches % args.updates_per_epoch:
         fail(f"{num_batches} micro-batches per GPU per epoch do not split into "
              f"--updates-per-epoch {args.updates_per_epoch}")
@@ -937,7 +937,7 @@ if __name__ == "__main__":
             window = sde_window(window_size, window_range, args.num_steps, noise_gen,
                                 epoch, args.window_shift_every, args.window_stride)
             steps = range(*window)
-            if args.sde_random_steps:  # UniRL's: one draw an epoch, all ranks
+            if args.sde_random_steps:  # UniRL's: an epoch's draw
                 steps = sde_steps(args.sde_random_steps, window_range, epoch)
             out = rollout(partial(velocity, text=text), noise, sigmas, steps,
                           args.sde_kind, args.noise_level, noise_gen)

@@ -251,7 +251,7 @@ def nft_loss(*, v, v_old, v_ref, x0, xt, t, advantages, beta, adv_clip, kl_beta,
     kl = torch.zeros((), device=v.device)
     if v_ref is not None:
         kl = ((v - v_ref) ** 2).mean(dim=dims).mean()
-    stats = {"policy_loss": policy_loss.item(), "kl": kl.item(),
+    stats = {"policy_loss": policy_loss.item(), "kl": kl.item(), "kl_loss": kl_beta * kl.item(),
              "old_deviate": ((v.detach() - v_old) ** 2).mean().item()}
     return (policy_loss + kl_beta * kl) / accum_steps, stats
 

@@ -10,6 +10,9 @@ with the fault in environment variables:
     FAULT_KILL_ON_LORA_LOAD=1  the process kills itself (SIGKILL) when a pipeline's
                           load_lora_weights is called: a preemption during the final eval, which
                           loads the last checkpoint's saved LoRA after that checkpoint is written
+    FAULT_OFF_POLICY=C    every step the training re-scores (sde.sde_step given the rollout's
+                          draw as prev_sample) gets C added to its log-prob: the ratio to the
+                          rollout's is exp(C) for every sample, as if it ran other weights
     FAULT_HUB=FILE        the Hub answers whoami as user "tester", and create_repo and
                           upload_folder append their arguments to FILE as JSON lines instead
                           of sending anything
@@ -63,6 +66,19 @@ if "FAULT_HUB" in os.environ:
     patches.append(mock.patch("huggingface_hub.whoami", return_value={"name": "tester"}))
     for name in ("create_repo", "upload_folder"):
         patches.append(mock.patch.object(huggingface_hub.HfApi, name, recorder(name)))
+if "FAULT_OFF_POLICY" in os.environ:  # before the script imports sde_step from sde.py
+    import sde
+
+    def off_policy(step):
+        def sde_step(*args, prev_sample=None, **kwargs):
+            out = step(*args, prev_sample=prev_sample, **kwargs)
+            if prev_sample is None:  # a rollout's step: as it is
+                return out
+            shift = float(os.environ["FAULT_OFF_POLICY"])
+            return out[0], out[1] + shift, *out[2:]
+        return sde_step
+
+    patches.append(mock.patch.object(sde, "sde_step", off_policy(sde.sde_step)))
 for patch in patches:
     patch.start()
 sys.argv = sys.argv[1:]

@@ -357,6 +357,60 @@ def assert_eval_only_reproduces(run_dir: Path, trained_run: Path, epoch: int = 2
     assert abs(metrics["eval/reward_mean"] - final) <= 1e-6, (metrics["eval/reward_mean"], final)
 
 
+def assert_same_state(got: Path, want: Path):
+    """Two checkpoints hold the same training state, bit for bit (a resume on the CPU must
+    reproduce the uninterrupted run exactly): the LoRA, its EMA, the algorithm's snapshots,
+    AdamW's state (its step counts and both moments) and the counters."""
+    got, want = (torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+                 for path in (got, want))
+    assert (got["next_epoch"], got["global_step"]) == (want["next_epoch"], want["global_step"])
+    pairs = [("lora", got["lora"], want["lora"]), ("ema", got["ema"], want["ema"])]
+    pairs += [(name, got["extra"][name], copies) for name, copies in want["extra"].items()]
+    for name, mine, theirs in pairs:
+        assert len(mine) == len(theirs) > 0 or name == "ema", name
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)), name
+    moments = [(got["optimizer"]["state"][i], state)
+               for i, state in want["optimizer"]["state"].items()]
+    assert len(moments) == len(got["optimizer"]["state"]) > 0
+    for mine, theirs in moments:
+        assert mine.keys() == theirs.keys()
+        assert all(torch.equal(mine[key], theirs[key]) for key in theirs), sorted(theirs)
+
+
+NAN_REWARD = ["--reward", "tests/toy_rewards.py:nan_after_two_batches",
+              "--eval-reward", TOY_REWARD, "--epochs", "3"]
+
+
+def assert_stopped_at_the_nan_reward(process: subprocess.CompletedProcess, out: Path):
+    """A run of NAN_REWARD (epoch 0's two reward batches finite, epoch 1's first NaN) stops
+    before it trains on the NaN, in one line naming the value, where, and the checkpoint to
+    continue from, which is intact."""
+    (run_dir,) = [path for path in out.iterdir() if path.is_dir()]
+    last = run_dir / "checkpoints" / "epoch_00001"
+    assert process.returncode == 1, process.stderr[-3000:]
+    assert process.stderr.strip().splitlines()[-1] == (
+        f"error: non-finite reward at epoch 1; stopping. Last checkpoint: {last}")
+    assert sorted(path.name for path in last.parent.iterdir()) == ["epoch_00001"]
+    state = torch.load(last / "state.pt", map_location="cpu", weights_only=False)
+    tensors = state["lora"] + state["ema"] + sum(state.get("extra", {}).values(), [])
+    assert tensors and all(torch.isfinite(tensor).all() for tensor in tensors)
+
+
+def assert_ema_moves_once_a_step(run_dir: Path, decay: float):
+    """A run of one optimizer step an epoch, saved after epochs 1 and 2: its EMA after step n
+    is d EMA_(n-1) + (1 - d) LoRA_n with upstream's warm-up, d = min(decay, (1 + n) / (10 +
+    n)), and it is not the LoRA itself. (An EMA moved by 1 - d instead of d misses by half a
+    step's change, ~1e-4 in the tiny runs: hundreds of times the float32 tolerance.)"""
+    one, two = (torch.load(run_dir / "checkpoints" / f"epoch_{epoch:05d}" / "state.pt",
+                           map_location="cpu", weights_only=False) for epoch in (1, 2))
+    step = two["global_step"]
+    assert step == one["global_step"] + 1, (one["global_step"], step)
+    d = min(decay, (1 + step) / (10 + step))
+    for before, lora, after in zip(one["ema"], two["lora"], two["ema"], strict=True):
+        assert torch.allclose(after, d * before + (1 - d) * lora, rtol=1e-6, atol=1e-9)
+    assert any(not torch.equal(ema, lora) for ema, lora in zip(two["ema"], two["lora"]))
+
+
 def lora_tensors(checkpoint: Path) -> list[torch.Tensor]:
     return torch.load(checkpoint / "state.pt", map_location="cpu")["lora"]
 

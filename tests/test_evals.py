@@ -2,6 +2,7 @@
 plumbing every SD3.5 script copies verbatim: eval seeds with a standard error, a labelled
 contact sheet, --eval-only from a checkpoint alone, a prompt file's BOM."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -69,8 +70,22 @@ def test_the_contact_sheet_has_a_title_labels_each_row_and_no_blank_strip():
 
 
 @pytest.mark.quick
-def test_a_bom_is_not_part_of_the_first_prompt(tmp_path):
+@pytest.mark.parametrize("text", [
+    "two red squares\nthree blue circles\n",  # a final newline
+    "two red squares\nthree blue circles",  # none: the last line is a prompt all the same
+    "\ufefftwo red squares\r\n\r\n  three blue circles  \r\n\n",  # BOM, CRLF, blank lines
+], ids=["final-newline", "no-final-newline", "bom-crlf-blank-lines"])
+def test_prompt_files_read_every_line_and_nothing_else(tmp_path, text):
+    """A BOM is no part of the first prompt, blank lines are none, and the last line counts
+    with or without its newline; JSONL likewise, keeping each row for the reward."""
     path = tmp_path / "prompts.txt"
-    path.write_bytes("\ufefftwo red squares\nthree blue circles\n".encode())
-    prompts, _ = grpo_sd35.load_prompts(str(path))
+    path.write_bytes(text.encode())
+    prompts, meta = grpo_sd35.load_prompts(str(path))
+    assert prompts == ["two red squares", "three blue circles"] and meta == [{}, {}]
+    rows = [json.dumps({"prompt": prompt, "n": n}) for n, prompt in enumerate(prompts)]
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_bytes(text.replace("two red squares", rows[0])
+                      .replace("three blue circles", rows[1]).encode())
+    prompts, meta = grpo_sd35.load_prompts(str(jsonl))
     assert prompts == ["two red squares", "three blue circles"]
+    assert [row["n"] for row in meta] == [0, 1]

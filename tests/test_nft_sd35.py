@@ -10,7 +10,8 @@ from nft_sd35 import dpm_sample, nft_loss, old_decay
 from scripts_harness import (assert_accuracy_rose, assert_bad_input, assert_common_run,
                              assert_eval_only_reproduces, cut_back_copy, learning_run,
                              lora_tensors, read_metrics, run_script, tiny_sd35_flags)
-from scripts_harness import assert_pushed, pushed_run
+from scripts_harness import (NAN_REWARD, assert_ema_moves_once_a_step, assert_pushed,
+                             assert_same_state, assert_stopped_at_the_nan_reward, pushed_run)
 
 SCRIPT = "nft_sd35.py"
 
@@ -46,6 +47,20 @@ def test_nft_loss_by_hand():
     assert stats["policy_loss"] == pytest.approx(5.0 * (0.25 * pos + 0.75 * neg) / beta, rel=1e-6)
     assert loss.item() == pytest.approx((stats["policy_loss"] + 0.1 * 2.0) / 4, rel=1e-6)
     assert stats["old_deviate"] == 2.0  # mean((v - v_old)^2) = mean(4, 0)
+
+
+@pytest.mark.quick
+def test_nft_loss_mixes_the_policies_by_beta_not_one_minus_beta():
+    """At beta 0.25 (at 0.5 a swapped mix reads the same): v+ = 0.25 v + 0.75 v_old, v- =
+    1.25 v_old - 0.25 v, on the by-hand case above (x0 = 0, xt = (1, -1), t = 0.5)."""
+    x0, xt, t = torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]), torch.tensor([0.5])
+    v, v_old = torch.tensor([[2.0, 0.0]]), torch.tensor([[0.0, 0.0]])
+    # v+ = (0.5, 0): error (0.75, -1), mean sq 0.78125 / mean abs 0.875
+    # v- = (-0.5, 0): error (1.25, -1), mean sq 1.28125 / mean abs 1.125
+    pos, neg = 0.78125 / 0.875, 1.28125 / 1.125
+    for adv, r in [(5.0, 1.0), (-5.0, 0.0), (2.5, 0.75)]:
+        loss = policy_loss(v, v_old, x0, xt, t, torch.tensor([adv]), beta=0.25)
+        assert loss.item() == pytest.approx(5.0 * (r * pos + (1 - r) * neg) / 0.25, rel=1e-6)
 
 
 @pytest.mark.quick
@@ -141,7 +156,8 @@ def old_tensors(checkpoint):
 def one_process_run(tiny_sd3, tmp_path_factory):
     out = tmp_path_factory.mktemp("nft1")
     # the Hub a recorder
-    return pushed_run(SCRIPT, flags(tiny_sd3, out, "--epochs", "2", "--decay-type", "1"))
+    return pushed_run(SCRIPT, flags(tiny_sd3, out, "--epochs", "2", "--decay-type", "1",
+                                    "--updates-per-epoch", "1", "--kl-beta", "0.01"))
 
 
 @pytest.mark.quick
@@ -154,13 +170,20 @@ def test_one_process_run_old_policy_follows_its_schedule(one_process_run):
     metrics = assert_common_run(one_process_run, epochs=2)
     assert metrics[0]["losses/first_old_deviate"] == 0.0  # old == current before the first update
     assert metrics[1]["losses/kl"] > 0 and metrics[1]["losses/old_deviate"] > 0
-    # type 1 after 2, then 4 steps
-    assert [m["charts/old_decay"] for m in metrics] == pytest.approx([0.002, 0.004])
+    for m in metrics:  # the KL reaches the loss weighted by --kl-beta (0.01, not the default)
+        assert m["losses/kl_loss"] == pytest.approx(0.01 * m["losses/kl"], rel=1e-9)
+    # type 1 after 1, then 2 steps
+    assert [m["charts/old_decay"] for m in metrics] == pytest.approx([0.001, 0.002])
     ckpt = one_process_run / "checkpoints" / "epoch_00002"
     old, lora = old_tensors(ckpt), lora_tensors(ckpt)
     # the old adapter moved off its zero-initialised B; eta > 0: a soft, not a hard, copy
     assert any(o.abs().sum() > 0 for o in old[1::2])
     assert any(not torch.equal(o, c) for o, c in zip(old, lora))
+
+
+@pytest.mark.quick
+def test_the_ema_moves_once_an_optimizer_step(one_process_run):
+    assert_ema_moves_once_a_step(one_process_run, decay=0.9)  # the default --ema-decay
 
 
 @pytest.fixture(scope="module")
@@ -199,10 +222,14 @@ def test_decay_type_2_hard_copies_and_resume_restores_old(tiny_sd3, tmp_path, de
                                        resume))
     # it continues its own run directory
     assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]
-    for load in (lora_tensors, old_tensors):
-        want = load(full / "checkpoints" / "epoch_00002")
-        got = load(resumed / "checkpoints" / "epoch_00002")
-        assert all(torch.allclose(w, g, atol=1e-6) for w, g in zip(want, got))
+    # LoRA, EMA, the old policy, AdamW's state, bit for bit
+    assert_same_state(resumed / "checkpoints" / "epoch_00002",
+                      full / "checkpoints" / "epoch_00002")
+
+
+def test_a_nan_reward_stops_in_one_line_with_an_intact_checkpoint(tiny_sd3, tmp_path):
+    proc = run_script(SCRIPT, flags(tiny_sd3, tmp_path, *NAN_REWARD), check=False)
+    assert_stopped_at_the_nan_reward(proc, tmp_path)
 
 
 def test_two_process_torchrun(tiny_sd3, tmp_path):
