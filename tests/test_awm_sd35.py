@@ -82,7 +82,8 @@ def test_awm_loss_adds_both_kls_and_divides_by_the_accumulation():
     loss, stats = awm_loss(log_prob=lp, advantages=torch.tensor([5.0, 0.0]), v=v,
                            v_base=v_base, v_anchor=v_anchor, adv_clip=5.0, kl_beta=0.1,
                            anchor_beta=2.0, accum_steps=4)
-    assert stats == {"policy_loss": pytest.approx(-0.5), "kl": 1, "anchor_kl": 4}
+    assert stats == {"policy_loss": pytest.approx(-0.5), "kl": 1, "anchor_kl": 4,
+                     "kl_loss": pytest.approx(0.1), "anchor_loss": 8}
     assert loss.item() == pytest.approx((-0.5 + 0.1 * 1 + 2.0 * 4) / 4)
 
 

@@ -1,6 +1,6 @@
 """What a run shows and how it is checked later (issues 45, 46), on grpo_sd35.py, whose
 plumbing every SD3.5 script copies verbatim: eval seeds with a standard error, a labelled
-contact sheet, --eval-only from a checkpoint alone, a prompt file's BOM."""
+contact sheet, --eval-only from a checkpoint alone, the diversity signal, prompt files."""
 
 import json
 import subprocess
@@ -35,6 +35,17 @@ def test_evals_report_a_standard_error_over_prompts_and_seeds(seeded_run):
     assert first["eval/diversity"] > 0
     sheet = Image.open(seeded_run / "eval_00000.png")
     assert sheet.size == (640, 24 + 4 * (320 + 24))  # 4 test prompts, 2 samples each
+
+
+def test_the_diversity_signal_reads_zero_when_every_sample_of_a_prompt_is_alike(tiny_sd3,
+                                                                                 tmp_path):
+    """eval/diversity is the reward-hacking signal: the RMS pixel distance between two samples
+    of one prompt. Made to fire: the eval seeds 7 and 7 draw every prompt's two samples from the
+    same noise, as a run collapsed to one image per prompt would, and it reads exactly 0 (seeds
+    42 and 7 above: > 0)."""
+    flags = tiny_sd35_flags(tiny_sd3, tmp_path) + ["--eval-only", "--eval-seeds", "7", "7"]
+    (row,) = read_metrics(run_script(SCRIPT, flags))
+    assert row["eval/diversity"] == 0.0 and 0 < row["eval/reward_mean"] < 1
 
 
 def test_eval_only_needs_only_the_checkpoint(seeded_run, tmp_path):
