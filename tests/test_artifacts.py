@@ -62,28 +62,23 @@ def test_the_final_eval_loads_the_saved_lora_and_the_drift_shows_training(record
     assert loads.read_text().splitlines() == [str(saved)]
 
 
-def test_a_lora_that_does_not_train_raises_the_alarm(tiny_sd3, tmp_path):
+def test_a_lora_that_does_not_train_raises_the_alarm_and_old_checkpoints_go(tiny_sd3, tmp_path):
     """A learning rate of 0 is the silent adapter of verl-omni#552 in miniature: the weights
-    never move, the drift stays 0 at every eval after the first, and each such eval warns."""
+    never move, the drift stays 0 at every eval after the first, and each such eval warns.
+    The same run keeps only the newest 2 checkpoints (--save-every 1
+    --checkpoints-total-limit 2 over 3 epochs: epochs 2 and 3 remain)."""
     out = tmp_path / "out"
-    flags = tiny_sd35_flags(tiny_sd3, out) + ["--epochs", "2", "--ema-decay", "0",
-                                              "--learning-rate", "0"]
+    flags = tiny_sd35_flags(tiny_sd3, out) + ["--epochs", "3", "--ema-decay", "0",
+                                              "--learning-rate", "0",
+                                              "--checkpoints-total-limit", "2"]
     process = run_script(SCRIPT, flags, check=False)
     assert process.returncode == 0, process.stderr[-4000:]
     (run_dir,) = out.iterdir()
     metrics = read_metrics(run_dir)
-    assert [row["eval/lora_drift"] for row in metrics] == [0.0, 0.0]
+    assert [row["eval/lora_drift"] for row in metrics] == [0.0, 0.0, 0.0]
     assert metrics[-1]["eval/final_lora_drift"] == 0.0
     warnings = [line for line in process.stdout.splitlines() if line.startswith("WARNING")]
-    assert warnings == ["WARNING: eval/lora_drift is 0: does the LoRA train?"] * 2, warnings
-
-
-def test_checkpoints_total_limit_keeps_the_newest(tiny_sd3, tmp_path):
-    """--save-every 1 --checkpoints-total-limit 2 over 3 epochs: epochs 2 and 3 remain."""
-    out = tmp_path / "out"
-    flags = tiny_sd35_flags(tiny_sd3, out) + ["--epochs", "3", "--eval-every", "3",
-                                              "--checkpoints-total-limit", "2"]
-    run_dir = run_script(SCRIPT, flags)
+    assert warnings == ["WARNING: eval/lora_drift is 0: does the LoRA train?"] * 3, warnings
     kept = sorted(path.name for path in (run_dir / "checkpoints").iterdir())
     assert kept == ["epoch_00002", "epoch_00003"], kept
 

@@ -1,6 +1,8 @@
 """Issue 14: a checkpoint is the model that was trained, and a mistake is caught before the
 model loads."""
 
+import hashlib
+import io
 import socket
 from pathlib import Path
 
@@ -278,6 +280,27 @@ def test_non_finite_stop_names_the_value_and_only_an_existing_checkpoint(tmp_pat
                                gradient=torch.tensor(float("inf")))
     # all finite: returns
     grpo_sd35.check_finite("s", str(tmp_path), loss=torch.tensor(0.5), gradient=1.0)
+
+
+@pytest.mark.quick
+def test_a_checkpoint_loads_only_when_its_checksum_matches(tmp_path):
+    """load_state: state.pt as saved loads; one flipped byte, a truncated file or a missing
+    checksum is refused with why (--resume then stops in one line, `latest` skips it)."""
+    save = tmp_path / "epoch_00001"
+    save.mkdir()
+    data = io.BytesIO()
+    torch.save({"next_epoch": 1, "lora": [torch.arange(4.0)]}, data)
+    (save / "state.pt").write_bytes(data.getvalue())
+    (save / "state.pt.sha256").write_text(hashlib.sha256(data.getvalue()).hexdigest())
+    assert torch.equal(grpo_sd35.load_state(str(save))["lora"][0], torch.arange(4.0))
+    flipped = bytearray(data.getvalue())
+    flipped[len(flipped) // 2] ^= 0xFF
+    corrupt = "corrupt: its state.pt does not match state.pt.sha256"
+    for garbled in (bytes(flipped), data.getvalue()[:-8]):
+        (save / "state.pt").write_bytes(garbled)
+        assert grpo_sd35.load_state(str(save)) == corrupt
+    (save / "state.pt.sha256").unlink()
+    assert grpo_sd35.load_state(str(save)).startswith("not a checkpoint directory")
 
 
 @pytest.mark.quick

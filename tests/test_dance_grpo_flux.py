@@ -256,7 +256,8 @@ def test_an_empty_window_rollout_is_the_ode_and_keeps_nothing(tiny_pipe):
 @pytest.fixture(scope="module")
 def one_process_run(tiny_flux, tmp_path_factory):
     out = tmp_path_factory.mktemp("dance1")
-    return pushed_run(SCRIPT, tiny_flux_flags(tiny_flux, out) + ["--epochs", "2"])  # a recorder
+    flags = ["--epochs", "2", "--ema-decay", "0.5", "--updates-per-epoch", "1"]
+    return pushed_run(SCRIPT, tiny_flux_flags(tiny_flux, out) + flags)  # a recorder Hub
 
 
 @pytest.mark.quick
@@ -272,14 +273,15 @@ def test_one_process_run(one_process_run):
         assert m["charts/global_step"] > 0 and math.isfinite(m["losses/approx_kl"])
         assert_phases_add_up(m)
         assert m["perf/compiled_graphs"] == 0  # eager: CPU runs compile only when asked
-    assert metrics[-1]["charts/global_step"] == 4  # 2 epochs x --updates-per-epoch 2
+    assert metrics[-1]["charts/global_step"] == 2  # 2 epochs x --updates-per-epoch 1
+    assert_ema_moves_once_a_step(one_process_run, decay=0.5)
     for epoch in (1, 2):  # a checkpoint each epoch, its state.pt's checksum written with it
         checkpoint = one_process_run / "checkpoints" / f"epoch_{epoch:05d}"
         digest = hashlib.sha256((checkpoint / "state.pt").read_bytes()).hexdigest()
         assert (checkpoint / "state.pt.sha256").read_text() == digest
         # the epoch's metrics, for a relaunch that finishes the run
         state = torch.load(checkpoint / "state.pt", map_location="cpu")
-        assert state["metrics"]["charts/global_step"] == 2 * epoch
+        assert state["metrics"]["charts/global_step"] == epoch
         mode = (checkpoint / "state.pt").stat().st_mode  # the LoRA files are as readable
         for folder in ("lora", "ema_lora"):
             weights = checkpoint / folder / "pytorch_lora_weights.safetensors"

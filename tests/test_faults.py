@@ -2,7 +2,8 @@
 full disk, a reward that fails, an unwritable output directory. Each fault is injected
 deterministically (tests/faults.py: a frozen clock, a disk that fills at a named file; a reward
 file that raises or sends SIGTERM at its n-th call) into grpo_sd35.py, whose plumbing every
-SD3.5 script shares verbatim (tests/test_boilerplate.py)."""
+SD3.5 script shares verbatim (tests/test_boilerplate.py); SIGTERM and a full disk into every
+script, since each runs its own copy."""
 
 import errno
 import json
@@ -41,16 +42,17 @@ def brightness(images, prompts, metadata):
 '''
 
 
-def faulty(tmp_path: Path, out: str, epochs: int, extra=(), in_eval=False, **env):
+def faulty(tmp_path: Path, out: str, epochs: int, extra=(), in_eval=False, script=SCRIPT,
+           **env):
     """A tiny 2-micro-batch-per-epoch run with the faulty reward for training (or, with
     in_eval, for eval): (the finished process, its --output-dir)."""
     reward = tmp_path / "faulty_reward.py"
     reward.write_text(FAULTY_REWARD)
     flags = tiny_sd35_flags(Path(faulty.model), tmp_path / out) + list(extra)
     rewards = [f"{reward}:brightness", TOY_REWARD][::-1 if in_eval else 1]
-    flags += ["--reward", rewards[0], "--eval-reward", rewards[1], "--epochs", str(epochs),
-              "--kl-beta", "0"]
-    process = subprocess.run([sys.executable, "tests/faults.py", SCRIPT] + flags, cwd=REPO,
+    flags += ["--reward", rewards[0], "--eval-reward", rewards[1], "--epochs", str(epochs)]
+    flags += [] if script == "dance_grpo_flux.py" else ["--kl-beta", "0"]  # dance: no KL
+    process = subprocess.run([sys.executable, "tests/faults.py", script] + flags, cwd=REPO,
                              env={**script_env(), **env}, capture_output=True, text=True,
                              timeout=600)
     return process, tmp_path / out
@@ -135,6 +137,31 @@ def test_a_full_disk_stops_with_one_line_naming_the_cause(tiny_sd3, tmp_path):
         line = last_line(process)
         assert line.startswith("error: [Errno 28] No space left on device"), line
         assert "continues from none saved yet" in line or "epoch_00001" in line
+
+
+@pytest.mark.parametrize("script", ["nft_sd35.py", "awm_sd35.py", "crd_sd35.py",
+                                    "dance_grpo_flux.py"])
+def test_every_script_ends_in_one_line_on_sigterm_and_on_a_full_disk(script, tiny_sd3,
+                                                                      tiny_flux, tmp_path):
+    """The rare paths each script runs in its own copy of the plumbing (grpo_sd35.py's: the
+    tests above): SIGTERM at epoch 1's first reward ends the run at once (exit 143) naming the
+    checkpoint to continue from; a disk that fills at the first state.pt ends it (exit 1)
+    naming the file, the save and that none is saved yet."""
+    faulty.model = tiny_flux if script.startswith("dance") else tiny_sd3
+    extra = ["--train-batch-size", "2"] if script == "awm_sd35.py" else []
+    process, out = faulty(tmp_path, "term", epochs=2, extra=extra, script=script,
+                          FAULT_AT="3", FAULT_DO="sigterm")
+    (run_dir,) = out.iterdir()
+    assert process.returncode == 128 + 15, process.stderr[-3000:]
+    assert last_line(process) == (
+        f"stopped by SIGTERM; --resume latest continues from {run_dir}/checkpoints/epoch_00001")
+    process, out = faulty(tmp_path, "full", epochs=2, extra=extra, script=script,
+                          FAULT_FULL_DISK="state.pt")
+    (run_dir,) = out.iterdir()
+    assert process.returncode == 1, process.stderr[-3000:]
+    path = run_dir / "checkpoints" / ".epoch_00001.tmp" / "state.pt"
+    assert last_line(process) == (f"error: [Errno 28] No space left on device: '{path}' "
+                                  "(saving epoch 1); --resume latest continues from none saved yet")
 
 
 def test_a_reward_that_raises_stops_with_one_line(tiny_sd3, tmp_path):

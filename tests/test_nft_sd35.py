@@ -171,7 +171,7 @@ def test_one_process_run_old_policy_follows_its_schedule(one_process_run):
     assert metrics[0]["losses/first_old_deviate"] == 0.0  # old == current before the first update
     assert metrics[1]["losses/kl"] > 0 and metrics[1]["losses/old_deviate"] > 0
     for m in metrics:  # the KL reaches the loss weighted by --kl-beta (0.01, not the default)
-        assert m["losses/kl_loss"] == pytest.approx(0.01 * m["losses/kl"], rel=1e-9)
+        assert m["losses/kl_loss"] == pytest.approx(0.01 * m["losses/kl"], rel=1e-9, abs=0)
     # type 1 after 1, then 2 steps
     assert [m["charts/old_decay"] for m in metrics] == pytest.approx([0.001, 0.002])
     ckpt = one_process_run / "checkpoints" / "epoch_00002"
