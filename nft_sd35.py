@@ -60,16 +60,7 @@ from safetensors import SafetensorError
 from tqdm import tqdm
 
 import rewards
-from sde import compute_advantages, sde_step
-
-# ALGO LOGIC: what a researcher changes. TRY NOT TO MODIFY: plumbing, copied
-# verbatim into every SD3.5 script; it reads six names that ALGO LOGIC sets:
-#   snapshots    {name: LoRA copies} the algorithm keeps (saved in checkpoints)
-#   eval_sigmas  the sigma grid of eval's ODE sampler
-#   group_ids    (P*G,) the group (prompt) of each of the epoch's images
-#   futures      this rank's micro-batches' rewards, as futures
-#   grad_norm    the gradient norm of the last optimizer step
-#   summary      the algorithm's part of the epoch's line on stdout
+from sde import sde_step
 
 # The joint-attention projections of every MMDiT block, as flow_grpo, NFT and AWM
 LORA_TARGETS = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj",
@@ -79,6 +70,46 @@ LORA_TARGETS = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj",
 
 @dataclass
 class Args:
+    # The algorithm (defaults: the paper's headline run)
+    advantage_aggregation: Literal["sum", "gdpo"] = "sum"
+    """normalise the rewards' weighted sum, or each, then sum (GDPO)"""
+    per_group_std: bool = False
+    """advantages / their group's std, not the epoch's (upstream's)"""
+    group_size: Annotated[int, ">= 2"] = 24
+    """images per prompt (a group; its mean reward is the baseline)"""
+    num_steps: Annotated[int, ">= 1"] = 10
+    """DPM-Solver++ steps per rollout, on SD3's grid (all its sigmas but 0 train)"""
+    guidance_scale: float = 1.0
+    """CFG scale of rollouts, training and eval (NFT is CFG-free: 1)"""
+    prompts_per_epoch: Annotated[int, ">= 1"] = 48
+    """prompts (groups) per epoch, over all GPUs"""
+    batch_size: Annotated[int, ">= 1"] = 9
+    """per-GPU micro-batch of rollout and training"""
+    updates_per_epoch: Annotated[int, ">= 1"] = 2
+    """optimizer steps per epoch (upstream: 2 for OCR, 1 for the others)"""
+    timestep_fraction: Annotated[float, "in (0, 1]"] = 0.99
+    """train each sample at int(num_steps * fraction) random sigmas of the grid"""
+    beta: Annotated[float, "> 0"] = 0.1
+    """the implicit policies' step from the old one (nft_loss; OCR 0.1, others 1)"""
+    adv_clip: Annotated[float, "> 0"] = 5.0
+    """advantages are clipped to +-adv_clip, then mapped to r in [0, 1] (nft_loss)"""
+    kl_beta: float = 1e-4
+    """weight of the KL to the base model, mean((v - v_base)^2) (see nft_loss)"""
+    decay_type: Literal[0, 1, 2] = 2
+    """the old policy's decay eta(step) (old_decay): 0 = 0 (on-policy); 1 = min(0.001 step,
+    0.5); 2 (OCR) = 0 before step 75, then min(0.0075 (step - 75), 0.999)"""
+    ema_decay: Annotated[float, "in [0, 1)"] = 0.9
+    """EMA decay of the LoRA used for eval and the saved `ema_lora` (0: off)"""
+    # This recipe's run settings (upstream's values for this algorithm)
+    allow_tf32: bool = True
+    """TF32 for fp32 matmuls on CUDA (VAE, rewards), as upstream"""
+    max_sequence_length: Annotated[int, ">= 1"] = 128
+    """T5 tokens per prompt"""
+    eval_every: Annotated[int, ">= 1"] = 10
+    """evaluate every N epochs (and after the last)"""
+    save_every: Annotated[int, ">= 1"] = 30
+    """checkpoint every N epochs (and after the last)"""
+    # Shared arguments: the same in every SD3.5 script
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """wandb group and run-directory prefix"""
     seed: int = 42
@@ -115,16 +146,10 @@ class Args:
     """rewards.py name, weighted sum `ocr=1,pickscore=0.5`, `file.py:fn`"""
     eval_reward: str | None = None
     """eval's reward (None: --reward)"""
-    advantage_aggregation: Literal["sum", "gdpo"] = "sum"
-    """normalise the rewards' weighted sum, or each, then sum (GDPO)"""
-    per_group_std: bool = False
-    """advantages / their group's std, not the epoch's (upstream's)"""
     resolution: Annotated[int, ">= 1"] = 512
     """image height and width in pixels"""
     eval_num_steps: Annotated[int, ">= 1"] = 40
     """Euler ODE steps of eval"""
-    group_size: Annotated[int, ">= 2"] = 24
-    """images per prompt (a group; its mean reward is the baseline)"""
     eval_batch_size: Annotated[int, ">= 1"] = 8
     """per-GPU eval batch"""
     epochs: Annotated[int, ">= 1"] = 1000
@@ -145,38 +170,6 @@ class Args:
     """its Hub repository (None: YOUR_HUB_NAME/EXP_NAME)"""
     hub_private: bool = False
     """make that repository private"""
-    # Algorithm-specific arguments (defaults: the paper's OCR run)
-    allow_tf32: bool = True
-    """TF32 for fp32 matmuls on CUDA (VAE, rewards), as upstream"""
-    max_sequence_length: Annotated[int, ">= 1"] = 128
-    """T5 tokens per prompt"""
-    num_steps: Annotated[int, ">= 1"] = 10
-    """DPM-Solver++ steps per rollout, on SD3's grid (all its sigmas but 0 train)"""
-    guidance_scale: float = 1.0
-    """CFG scale of rollouts, training and eval (NFT is CFG-free: 1)"""
-    prompts_per_epoch: Annotated[int, ">= 1"] = 48
-    """prompts (groups) per epoch, over all GPUs"""
-    batch_size: Annotated[int, ">= 1"] = 9
-    """per-GPU micro-batch of rollout and training"""
-    updates_per_epoch: Annotated[int, ">= 1"] = 2
-    """optimizer steps per epoch (upstream: 2 for OCR, 1 for the others)"""
-    timestep_fraction: Annotated[float, "in (0, 1]"] = 0.99
-    """train each sample at int(num_steps * fraction) random sigmas of the grid"""
-    beta: Annotated[float, "> 0"] = 0.1
-    """the implicit policies' step from the old one (nft_loss; OCR 0.1, others 1)"""
-    adv_clip: Annotated[float, "> 0"] = 5.0
-    """advantages are clipped to +-adv_clip, then mapped to r in [0, 1] (nft_loss)"""
-    kl_beta: float = 1e-4
-    """weight of the KL to the base model, mean((v - v_base)^2) (see nft_loss)"""
-    decay_type: Literal[0, 1, 2] = 2
-    """the old policy's decay eta(step) (old_decay): 0 = 0 (on-policy); 1 = min(0.001 step,
-    0.5); 2 (OCR) = 0 before step 75, then min(0.0075 (step - 75), 0.999)"""
-    ema_decay: Annotated[float, "in [0, 1)"] = 0.9
-    """EMA decay of the LoRA used for eval and the saved `ema_lora` (0: off)"""
-    eval_every: Annotated[int, ">= 1"] = 10
-    """evaluate every N epochs (and after the last)"""
-    save_every: Annotated[int, ">= 1"] = 30
-    """checkpoint every N epochs (and after the last)"""
 
 
 # ALGO LOGIC: --toy, the CPU demo (docs/toy_world.md)
@@ -188,14 +181,8 @@ TOY = dict(model="tests/assets/toy-sd3", train_prompts="tests/assets/toy_train.t
            group_size=16, prompts_per_epoch=6, batch_size=16, lora_rank=8,
            lora_alpha=8, learning_rate=1e-3, epochs=16, eval_every=4)
 
-# TRY NOT TO MODIFY: what --resume must match, ranges
-STATE_FLAGS = ["model", "lora_rank", "lora_alpha", "lora_targets"]
-RANGES = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: x >= 2,
-          "> 0": lambda x: x > 0, "in [0, 1)": lambda x: 0 <= x < 1,
-          "in (0, 1]": lambda x: 0 < x <= 1, "in [0, 1]": lambda x: 0 <= x <= 1}
 
-
-# ALGO LOGIC: the sampler and the loss
+# ALGO LOGIC: the sampler, the advantages and the loss
 @torch.no_grad()
 def dpm_sample(velocity, noise, sigmas) -> torch.Tensor:
     """Deterministic DPM-Solver++ in data prediction, fp64 coefficients: DDIM
@@ -220,6 +207,23 @@ def dpm_sample(velocity, noise, sigmas) -> torch.Tensor:
         x0_prev = x0
         latents.append(x)
     return torch.stack(latents, dim=1)
+
+
+def compute_advantages(rewards, components, weights, group_ids, aggregation, per_group_std):
+    """(reward - group mean) / (std + 1e-4); docs/nft.md, Advantages."""
+    def normalised(values, per_group: bool):
+        values = values.double()
+        count = torch.bincount(group_ids).double()
+        centered = values - (torch.bincount(group_ids, values) / count)[group_ids]
+        std = values.std(unbiased=False)
+        if per_group:
+            std = (torch.bincount(group_ids, centered**2) / count).sqrt()[group_ids]
+        return (centered / (std + 1e-4)).float()
+    if aggregation == "sum" or len(components) <= 1:
+        return normalised(rewards, per_group_std)
+    summed = sum(weight * normalised(components[name], per_group=True)
+                 for name, weight in weights.items())
+    return (summed - summed.mean()) / (summed.std(unbiased=False) + 1e-4)
 
 
 def nft_loss(*, v, v_old, v_ref, x0, xt, t, advantages, beta, adv_clip, kl_beta,
@@ -271,9 +275,335 @@ def old_decay(step: int, decay_type: int) -> float:
     return min(0.0075 * (step - 75), 0.999)
 
 
+def main():
+    """The run. A shared block's tag names what it reads ("reads")."""
+    # TRY NOT TO MODIFY: input checks and rewards, before the model loads
+    toy = Args(**TOY, toy=True) if "--toy" in sys.argv else None  # given flags win
+    args = tyro.cli(Args, description=__doc__.split("\n\n")[0], default=toy)
+    state = check_args(args)
+    train_prompts, train_meta = ([], []) if args.eval_only else load_prompts(args.train_prompts)
+    test_prompts, test_meta = load_prompts(args.test_prompts)
+    rank = int(os.environ.get("RANK", 0))  # torchrun's
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    quiet = rank != 0 or not sys.stderr.isatty()
+    if quiet:  # the model-loading bars too
+        diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.set_verbosity_error()  # e.g. every truncated prompt
+    try:  # a bad reward file or a silent server fails here
+        rewards.check_prompts(args.reward, train_prompts)
+        rewards.check_prompts(args.eval_reward or args.reward, test_prompts)
+        reward_fn = rewards.build_reward(args.reward, device=device)
+        eval_reward_fn = reward_fn
+        if args.eval_reward:
+            eval_reward_fn = rewards.build_reward(args.eval_reward, device=device)
+    except ValueError as error:
+        fail(str(error))
+    images_per_epoch = args.prompts_per_epoch * args.group_size
+    if images_per_epoch % (world * args.batch_size):
+        fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split "
+             f"into {world} GPUs x --batch-size {args.batch_size}")
+    num_batches = images_per_epoch // world // args.batch_size  # this rank's
+    run_dir = None
+    parent = os.path.dirname(os.path.abspath(args.resume or "."))
+    if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
+        run_dir = os.path.dirname(parent)  # a resume goes on in its run
+
+    # ALGO LOGIC: images to optimizer steps (docs/nft.md)
+    if num_batches % args.updates_per_epoch:
+        fail(f"{num_batches} micro-batches per GPU per epoch do not split into "
+             f"--updates-per-epoch {args.updates_per_epoch}")
+    num_train_steps = int(args.num_steps * args.timestep_fraction)
+    if num_train_steps < 1:
+        fail(f"--timestep-fraction {args.timestep_fraction} trains no step of "
+             f"--num-steps {args.num_steps}")
+    accum_steps = num_batches // args.updates_per_epoch * num_train_steps
+    if not args.eval_only:
+        say(f"{world} process(es) x {num_batches} micro-batches x {args.batch_size} = "
+            f"{images_per_epoch} images/epoch; {args.updates_per_epoch} updates/epoch "
+            f"of {accum_steps} micro-steps each")
+
+    # TRY NOT TO MODIFY: the model: frozen base in bf16/fp16, LoRA in fp32
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
+    dtype = dtypes[args.mixed_precision]
+    pipe = StableDiffusion3Pipeline.from_pretrained(
+        args.model, dtype={"default": dtype, "vae": torch.float32}).to(device)
+    transformer = pipe.transformer
+    transformer.requires_grad_(False)
+    torch.manual_seed(args.seed)  # the LoRA init, alike on all ranks
+    transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
+                                       init_lora_weights="gaussian",
+                                       target_modules=list(args.lora_targets)))
+    lora_params = [p for p in transformer.parameters() if p.requires_grad]
+    for p in lora_params:
+        p.data = p.data.float()
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    if args.compile:  # regional: each block on its own
+        torch._dynamo.config.recompile_limit = 64
+        for block in transformer.transformer_blocks:
+            block.compile(dynamic=False)
+    optimizer = torch.optim.AdamW(lora_params, lr=args.learning_rate,
+                                  weight_decay=args.weight_decay)
+    scaler = torch.amp.GradScaler(enabled=args.mixed_precision == "fp16")
+    ema_params = [p.detach().clone() for p in lora_params]
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    latent_size = args.resolution // pipe.vae_scale_factor
+    latent_shape = (transformer.config.in_channels, latent_size, latent_size)
+    negative = encode(pipe, [""], device, args.max_sequence_length)  # CFG's, once
+
+    def velocity(x, sigma, text: Text, guidance_scale=args.guidance_scale):
+        with autocast:
+            return predict_velocity(transformer, x, sigma, text, negative, guidance_scale)
+
+    # ALGO LOGIC: the sigma grids, the old policy's LoRA snapshot
+    pipe.scheduler.set_timesteps(args.num_steps, device=device)
+    sigmas = pipe.scheduler.sigmas.float()  # (T+1,) 1 to 0, SD3's shifted schedule
+    train_sigmas = sigmas[:-1]  # (T,): at sigma 0, x_t is x0: nothing to learn
+    say(f"rollout grid sigma {[round(x, 4) for x in sigmas.tolist()]}; "
+        "training timesteps: all but the final 0")
+    pipe.scheduler.set_timesteps(args.eval_num_steps, device=device)
+    eval_sigmas = pipe.scheduler.sigmas.float()
+    # The old policy samples the rollouts and anchors nft_loss (see old_decay).
+    old_params = [p.detach().clone() for p in lora_params]
+    snapshots = {"old": old_params}
+
+    # TRY NOT TO MODIFY: resume, run dir, eval; reads snapshots, eval_sigmas
+    start_epoch = 0
+    global_step = 0
+    if state is not None:
+        saved = state["lora"] + state["ema"] + sum(state["extra"].values(), [])
+        for p, value in zip(lora_params + ema_params + sum(snapshots.values(), []), saved):
+            p.data.copy_(value)
+        optimizer.load_state_dict(state["optimizer"])
+        start_epoch = state["next_epoch"]
+        global_step = state["global_step"]
+    if rank == 0 and run_dir is None:  # made only now: a failed start leaves none
+        name = f"{args.exp_name}__{args.seed}__{int(time.time())}_"
+        run_dir = tempfile.mkdtemp(prefix=name, dir=args.output_dir)  # unique
+        os.chmod(run_dir, 0o755)  # mkdtemp's is private
+    shared = [run_dir]
+    if world > 1:
+        dist.broadcast_object_list(shared, src=0)
+    run_dir = shared[0]
+    if rank == 0:
+        print(f"run dir {run_dir}")
+        prepare_run_dir(run_dir, start_epoch)
+    if args.track and rank == 0:
+        import wandb
+        wandb.init(name=os.path.basename(run_dir), config=vars(args), save_code=True, dir=run_dir)
+    for number in (signal.SIGTERM, signal.SIGINT):  # preemption, Ctrl-C
+        signal.signal(number, lambda number, _: stop(
+            f"stopped by {signal.Signals(number).name}", run_dir, 128 + number))
+    evaluate = partial(run_eval, args=args, pipe=pipe, velocity=velocity,
+                       lora_params=lora_params, ema_params=ema_params,
+                       eval_sigmas=eval_sigmas, latent_shape=latent_shape,
+                       eval_reward_fn=eval_reward_fn, test_prompts=test_prompts,
+                       test_meta=test_meta, run_dir=run_dir)
+    if args.eval_only:
+        log(evaluate(start_epoch), start_epoch, run_dir, args.track)
+    executor = ThreadPoolExecutor(max_workers=1)  # scores while sampling goes on
+    metrics = state.get("metrics", {}) if state else {}  # a relaunch's
+    for epoch in range(start_epoch, 0 if args.eval_only else args.epochs):
+        epoch_start = clock(device)
+        metrics = evaluate(epoch) if epoch % args.eval_every == 0 else {}
+        text_start = clock(device)
+        # the epoch's prompts, alike on all ranks
+        prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)
+        num_prompts = len(train_prompts)
+        if num_prompts >= args.prompts_per_epoch:
+            chosen = torch.randperm(num_prompts, generator=prompt_gen)[: args.prompts_per_epoch]
+        else:
+            chosen = torch.randint(num_prompts, (args.prompts_per_epoch,), generator=prompt_gen)
+        epoch_prompts = [train_prompts[i] for i in chosen]  # group g's is row g
+        epoch_meta = [train_meta[i] for i in chosen]
+        epoch_text = encode(pipe, epoch_prompts, device, args.max_sequence_length)
+        sampling_start = clock(device)
+
+        # ALGO LOGIC: sampling. The epoch's images, shuffled alike on every rank (a group
+        # spans ranks), sampled deterministically by the old policy; x0 alone is kept.
+        group_ids = torch.arange(args.prompts_per_epoch).repeat_interleave(args.group_size)
+        group_ids = group_ids[torch.randperm(images_per_epoch, generator=prompt_gen)]
+        my_groups = group_ids.view(world, num_batches, args.batch_size)[rank]
+        noise_gen = seeded_generator(device, args.seed, epoch, rank)
+        transformer.eval()
+        batches = []  # (Text, x0 (B, C, h, w)) of each micro-batch
+        futures = []  # their rewards
+        progress = tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet, leave=False)
+        with swapped(lora_params, old_params):
+            for groups in progress:
+                text = Text(epoch_text.embeds[groups], epoch_text.pooled[groups])
+                noise = torch.randn((args.batch_size, *latent_shape),
+                                    generator=noise_gen, device=device)
+                x0 = dpm_sample(partial(velocity, text=text), noise, sigmas)[:, -1]
+                images = decode(pipe.vae, x0).cpu()
+                prompts = [epoch_prompts[group] for group in groups]
+                meta = [epoch_meta[group] for group in groups]
+                futures.append(executor.submit(reward_fn, images, prompts, meta))
+                batches.append((text, x0))
+
+        # TRY NOT TO MODIFY: all ranks' rewards; reads futures, group_ids
+        reward_start = clock(device)
+        try:
+            scores, infos = zip(*[future.result() for future in futures])
+        except rewards.RewardError as error:
+            stop(f"error: {error} at epoch {epoch}", run_dir)
+        info = {name: torch.cat([part[name] for part in infos]) for name in infos[0]}
+        my_rewards = torch.cat(scores).float().to(device)
+        all_rewards = all_gather_cat(my_rewards, world).cpu()  # (P*G,)
+        all_components = {name: all_gather_cat(info[name].to(device), world).cpu()
+                          for name in reward_fn.weights}
+        extras = {f"reward/{name}": values.mean().item()  # e.g. pickscore_raw
+                  for name, values in info.items() if name not in reward_fn.weights}
+        extras = rank_mean(extras, world, device)
+        if reward_fn.group_transform is not None:  # e.g. ranks within each group
+            all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
+        check_finite(f"epoch {epoch}", run_dir, reward=all_rewards)
+        group_std = torch.stack([all_rewards[group_ids == group].std(unbiased=False)
+                                 for group in group_ids.unique()])
+        training_start = clock(device)
+
+        # ALGO LOGIC: the advantages; training: x0 re-noised, each at a random grid sigma
+        advantages = compute_advantages(all_rewards, all_components, reward_fn.weights,
+                                        group_ids, args.advantage_aggregation, args.per_group_std)
+        my_advantages = advantages.view(world, num_batches, args.batch_size)[rank].to(device)
+        transformer.train()
+        train_gen = seeded_generator(device, args.seed, epoch, rank, 1)  # not rollouts'
+        stats = defaultdict(list)  # a value per micro-step
+        micro_step = 0
+        progress = tqdm(batches, f"epoch {epoch} training", disable=quiet, leave=False)
+        for (text, x0), batch_advantages in zip(progress, my_advantages):
+            # Each sample's own random order of the training sigmas: (B, T).
+            order = torch.rand(len(x0), len(train_sigmas), generator=train_gen,
+                               device=device).argsort(dim=1)
+            for j in range(num_train_steps):
+                sigma = train_sigmas[order[:, j]]  # (B,)
+                noise = torch.randn(x0.shape, generator=train_gen, device=device)
+                xt = ((1 - sigma.view(-1, 1, 1, 1)) * x0
+                      + sigma.view(-1, 1, 1, 1) * noise)
+                with torch.no_grad(), swapped(lora_params, old_params):
+                    v_old = velocity(xt, sigma, text)
+                v = velocity(xt, sigma, text)
+                v_ref = None  # the base model's, for the KL
+                if args.kl_beta > 0:
+                    with torch.no_grad(), adapters_disabled(transformer):
+                        v_ref = velocity(xt, sigma, text)
+                loss, step_stats = nft_loss(
+                    v=v, v_old=v_old, v_ref=v_ref, x0=x0, xt=xt, t=sigma,
+                    advantages=batch_advantages, beta=args.beta,
+                    adv_clip=args.adv_clip, kl_beta=args.kl_beta,
+                    accum_steps=accum_steps)
+                scaler.scale(loss).backward()
+                for name, value in step_stats.items():
+                    stats[name].append(value)
+                micro_step += 1
+                if micro_step % accum_steps == 0:
+                    grad_norm = optimizer_step(
+                        optimizer, scaler, lora_params, args.max_grad_norm, world,
+                        loss, f"epoch {epoch}, step {global_step}", run_dir)
+                    global_step += 1
+                    # Once per optimizer step; a warm-up keeps the EMA near the weights.
+                    decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))
+                    for ema, p in zip(ema_params, lora_params):
+                        ema.mul_(decay).add_(p.detach(), alpha=1 - decay)
+        # The old policy moves once per epoch (old_decay).
+        eta = old_decay(global_step, args.decay_type)
+        for old, p in zip(old_params, lora_params):
+            old.mul_(eta).add_(p.detach(), alpha=1 - eta)
+
+        # ALGO LOGIC: this algorithm's metrics and its part of the summary line
+        losses = {f"losses/{name}": float(np.mean(values)) for name, values in stats.items()}
+        metrics.update(rank_mean(losses, world, device))
+        # 0 while eta is 0: an epoch then starts with old == current.
+        metrics["losses/first_old_deviate"] = stats["old_deviate"][0]
+        metrics["charts/old_decay"] = eta
+        # A growing mean x0^2 is upstream's sign of a drift to bright images
+        # (DiffusionNFT issue 47).
+        x0_norms = torch.stack([(x0**2).mean() for _, x0 in batches])
+        metrics["charts/x0_norm"] = x0_norms.mean().item()
+        summary = (f"policy {metrics['losses/policy_loss']:.3e} "
+                   f"kl {metrics['losses/kl']:.3e} | "
+                   f"old dev {metrics['losses/old_deviate']:.1e} eta {eta:.3f}")
+
+        # TRY NOT TO MODIFY: the line, checkpoint; reads grad_norm, summary, snapshots
+        epoch_end = clock(device)
+        epoch_seconds = epoch_end - epoch_start
+        # ru_maxrss is in KiB on Linux
+        max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+        if device.type == "cuda":
+            max_mem_gb = torch.cuda.max_memory_allocated(device) / 1e9
+        metrics.update({
+            "losses/grad_norm": float(grad_norm),
+            "reward/mean": all_rewards.mean().item(),
+            "reward/std": all_rewards.std(unbiased=False).item(),
+            "reward/zero_std_group_frac": (group_std == 0).float().mean().item(),
+            **{f"reward/{name}": part.mean().item() for name, part in all_components.items()},
+            **extras,
+            "charts/global_step": global_step,
+            "charts/learning_rate": args.learning_rate,
+            "perf/images_per_sec": images_per_epoch / (reward_start - sampling_start),
+            "perf/epoch_seconds": epoch_seconds,
+            "perf/eval_seconds": text_start - epoch_start,
+            "perf/text_encoding_seconds": sampling_start - text_start,
+            "perf/sampling_seconds": reward_start - sampling_start,
+            "perf/reward_seconds": training_start - reward_start,
+            "perf/training_seconds": epoch_end - training_start,
+            "perf/compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+            "perf/max_mem_gb": max_mem_gb})
+        if rank == 0:
+            line = (f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± "
+                    f"{metrics['reward/std']:.4f} | {summary} | "
+                    f"{metrics['perf/images_per_sec']:.2f} img/s | {epoch_seconds:.0f}s")
+            if "eval/reward_mean" in metrics:
+                line += (f" | eval {metrics['eval/reward_mean']:.4f} ± "
+                         f"{metrics['eval/reward_stderr']:.4f}")
+            print(line + " (nan: a reward gave no number)" * ("nan" in line))
+        path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
+        last = epoch + 1 == args.epochs
+        try:  # each epoch: a preemption loses one at most
+            if not last:  # before its checkpoint: a resume redoes it whole
+                log(metrics, epoch, run_dir, args.track)
+            if rank == 0:
+                save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
+                                optimizer, epoch + 1, global_step, args, metrics)
+                prune_checkpoints(run_dir, path, args.save_every, args.checkpoints_total_limit)
+                if not last:  # the last's waits for the final eval
+                    write_card(run_dir, args, images_per_epoch)
+        except (OSError, SafetensorError) as error:
+            stop(f"error: {error} (saving epoch {epoch + 1})", run_dir)
+        if world > 1:
+            dist.barrier()
+
+    # TRY NOT TO MODIFY: the final eval of the saved file, card, push, line
+    if not args.eval_only:
+        path = os.path.join(run_dir, "checkpoints", f"epoch_{args.epochs:05d}")
+        metrics.update(evaluate(args.epochs, "eval/final_", f"{path}/ema_lora"))
+        try:
+            if rank == 0:
+                write_card(run_dir, args, images_per_epoch, final=metrics)
+            if rank == 0 and args.push_to_hub:  # the final EMA LoRA alone
+                hub = huggingface_hub.HfApi()
+                hub.create_repo(args.hub_model_id, private=args.hub_private, exist_ok=True)
+                hub.upload_folder(repo_id=args.hub_model_id, folder_path=f"{path}/ema_lora")
+                print(f"pushed to https://huggingface.co/{args.hub_model_id}")
+            log(metrics, args.epochs - 1, run_dir, args.track)
+        except OSError as error:
+            stop(f"error: {error} (finishing after {args.epochs} epochs)", run_dir)
+    executor.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 # TRY NOT TO MODIFY: the shared helpers
 class Text(NamedTuple):
-    """Encoded prompts: T5 + CLIP tokens (B, L, 4096), pooled CLIP (B, 2048)."""
+    """T5 + CLIP tokens (B, L, 4096), pooled CLIP (B, 2048)."""
     embeds: torch.Tensor
     pooled: torch.Tensor
 
@@ -289,6 +619,9 @@ def say(message: str):
 
 
 def check_ranges(args):
+    ranges = {">= 0": lambda x: x >= 0, ">= 1": lambda x: x >= 1, ">= 2": lambda x: x >= 2,
+              "> 0": lambda x: x > 0, "in [0, 1)": lambda x: 0 <= x < 1,
+              "in (0, 1]": lambda x: 0 < x <= 1, "in [0, 1]": lambda x: 0 <= x <= 1}
     for field in fields(args):
         value = getattr(args, field.name)
         allowed = getattr(field.type, "__metadata__", [">= 0"])[0]
@@ -296,7 +629,7 @@ def check_ranges(args):
         for number in value if isinstance(value, tuple) else [value]:
             if isinstance(number, float) and not math.isfinite(number):
                 fail(f"{flag} must be a finite number, got {number}")
-            if isinstance(number, (int, float)) and not RANGES[allowed](number):
+            if isinstance(number, (int, float)) and not ranges[allowed](number):
                 fail(f"{flag} must be {allowed}, got {value}")
 
 
@@ -363,26 +696,21 @@ def check_args(args) -> dict | None:
         args.hub_model_id = args.hub_model_id or f"{user}/{args.exp_name}"
     if not args.resume:
         return None
-    for name in STATE_FLAGS:
+    for name in ["model", "lora_rank", "lora_alpha", "lora_targets"]:
         if state["args"][name] != getattr(args, name):
             fail(f"--{name.replace('_', '-')} {getattr(args, name)!r} differs from the "
                  f"checkpoint's {state['args'][name]!r}")
     if not args.eval_only and state["next_epoch"] > args.epochs:
         fail(f"--epochs {args.epochs} < the checkpoint's {state['next_epoch']}")
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(args.resume)))
-    if not args.eval_only and finished(run_dir, state["next_epoch"], args.epochs):
+    path = os.path.join(run_dir, "metrics.jsonl")  # finished: its final eval logged
+    lines = open(path).readlines() if os.path.exists(path) else []
+    row = json.loads(lines[-1]) if lines and lines[-1].endswith("\n") else {}
+    at_end = state["next_epoch"] == args.epochs == row.get("epoch", -2) + 1
+    if not args.eval_only and at_end and "eval/final_sheet" in row:
         say(f"{run_dir} has finished")
         raise SystemExit(0)
     return state
-
-
-def finished(run_dir: str, next_epoch: int, epochs: int) -> bool:
-    """Whether a run at its last epoch logged its final eval."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    lines = open(path).readlines() if os.path.exists(path) else []
-    row = json.loads(lines[-1]) if lines and lines[-1].endswith("\n") else {}
-    logged = row.get("epoch", -2) + 1
-    return next_epoch == epochs == logged and "eval/final_sheet" in row
 
 
 def load_state(save: str) -> dict | str:
@@ -491,8 +819,8 @@ def optimizer_step(optimizer, scaler, params, max_grad_norm, world, loss, where,
 
 def save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
                     optimizer, next_epoch, global_step, args, metrics):
-    """lora/, ema_lora/ (diffusers LoRAs), state.pt, its checksum last; then renamed.
-    metrics: the epoch's, for a relaunch."""
+    """lora/, ema_lora/ (diffusers LoRAs), state.pt (metrics: the epoch's,
+    for a relaunch) and its checksum, written last; then renamed."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     for name, copies in [("lora", []), ("ema_lora", ema_params)]:
@@ -527,8 +855,8 @@ def prune_checkpoints(run_dir: str, current: str, save_every: int, limit: int | 
 
 
 def write_card(run_dir: str, args, images_per_epoch: int, final=None):
-    """A model card (README.md) and eval sheet in each evaluated checkpoint's
-    LoRA folders. final: the last epoch's metrics, unlogged."""
+    """Each evaluated checkpoint's cards (docs/model_card.md) and eval sheets.
+    final: the last epoch's metrics, unlogged."""
     def score(row, key):  # mean ± standard error; null: NaN
         numbers = [row[key + "reward_mean"], row[key + "reward_stderr"]]
         numbers = [math.nan if x is None else x for x in numbers]
@@ -538,6 +866,7 @@ def write_card(run_dir: str, args, images_per_epoch: int, final=None):
     evals = [(row[key + "sheet"], score(row, key)) for row in rows
              for key in ["eval/", "eval/final_"] if key + "sheet" in row]
     name = os.path.basename(__file__)
+    template = os.path.join(os.path.dirname(__file__), "docs", "model_card.md")
     about = " ".join(__doc__[: __doc__.index("Docs:")].split())
     for sheet, after in evals:
         epochs = int(sheet[5:10])  # eval_00060.png
@@ -546,29 +875,11 @@ def write_card(run_dir: str, args, images_per_epoch: int, final=None):
             continue
         pushed = args.hub_model_id or f"{save}/ema_lora"
         for folder, where in [("lora", f"{save}/lora"), ("ema_lora", pushed)]:
-            card = f"""---
-base_model: {args.model}
-library_name: diffusers
-license: other
-tags: [diffusers, lora, text-to-image, {name[:-3]}]
----
-# {name}: a LoRA of {args.model} (its licence applies)
-{about}.
-
-`lora/` holds the trained LoRA, `ema_lora/` its EMA (decay {args.ema_decay};
-0: the same). `ema_lora/`'s eval reward `{args.eval_reward or args.reward}`
-(mean ± s.e.): {evals[0][1]} before, {after} after {epochs} epochs
-({epochs * images_per_epoch:,} images); a row per test prompt:
-![eval sheet](eval_sheet.png)
-```python
-from diffusers import DiffusionPipeline
-pipe = DiffusionPipeline.from_pretrained("{args.model}")
-pipe.load_lora_weights("{where}")
-```
-Trained with `{command_line(args)}` (other flags at their defaults).
-"""
-            with open(f"{save}/{folder}/README.md", "w") as file:
-                file.write(card)
+            card = huggingface_hub.ModelCard.from_template(
+                huggingface_hub.ModelCardData(), template, name=name, about=about,
+                args=args, before=evals[0][1], after=after, epochs=epochs,
+                images=epochs * images_per_epoch, where=where, command=command_line(args))
+            card.save(f"{save}/{folder}/README.md")
             shutil.copy(f"{run_dir}/{sheet}", f"{save}/{folder}/eval_sheet.png")
 
 
@@ -589,14 +900,9 @@ def command_line(args) -> str:
     return shlex.join(words)
 
 
-def last_checkpoint(run_dir: str) -> str:
-    saves = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*")))
-    return saves[-1] if saves else "none saved yet"
-
-
 @contextmanager
 def swapped(params, copies):
-    """Swap `copies` (the EMA, a snapshot) into the live parameters, and back."""
+    """Swap `copies` (the EMA, a snapshot) into the parameters, and back."""
     for p, copy in zip(params, copies):
         p.data, copy.data = copy.data, p.data
     try:
@@ -662,423 +968,113 @@ def clock(device) -> float:
 
 
 def check_finite(where: str, run_dir: str, **values):
+    saves = glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*"))
     for name, value in values.items():
         if not torch.isfinite(torch.as_tensor(value)).all():
             fail(f"non-finite {name} at {where}; stopping. Last checkpoint: "
-                 f"{last_checkpoint(run_dir)}")
+                 f"{max(saves, default='none saved yet')}")
+
+
+def stop(reason: str, run_dir: str, code: int = 1):
+    """End at once, queued rewards dropped: the run is in its checkpoints."""
+    saves = glob.glob(os.path.join(run_dir, "checkpoints", "epoch_*"))
+    say(f"{reason}; --resume latest continues from {max(saves, default='none saved yet')}")
+    rewards.cancelled.set()
+    os._exit(code)
+
+
+def log(metrics: dict, epoch: int, run_dir: str, track: bool):
+    if os.environ.get("RANK", "0") != "0":
+        return
+    strict = {name: None if isinstance(value, float) and not math.isfinite(value)
+              else value for name, value in metrics.items()}  # JSON has no NaN
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as file:
+        file.write(json.dumps({"epoch": epoch, **strict}) + "\n")
+    if track:  # the eval sheets as images
+        import wandb
+        sheets = {name: wandb.Image(os.path.join(run_dir, value))
+                  for name, value in metrics.items() if name.endswith("sheet")}
+        wandb.log(metrics | sheets, step=epoch)
+
+
+@torch.no_grad()
+def run_eval(epoch: int, prefix: str = "eval/", saved: str | None = None, *, args, pipe,
+             velocity, lora_params, ema_params, eval_sigmas, latent_shape,
+             eval_reward_fn, test_prompts, test_meta, run_dir) -> dict:
+    """Score ODE samples of the EMA or LoRA folder `saved`: prompt i, seed s."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    device = lora_params[0].device
+    if saved:
+        with warnings.catch_warnings(action="ignore"):
+            pipe.load_lora_weights(saved, adapter_name="saved")
+    items = [(i, seed) for seed in args.eval_seeds for i in range(len(test_prompts))]
+    by_prompt = {}  # test prompt -> its items
+    for item in items:
+        by_prompt.setdefault(test_prompts[item[0]], []).append(item)
+    shown = [item for row in list(by_prompt.values())[:4] for item in row[:4]]
+    pipe.transformer.eval()  # as in sampling: compiled graphs depend on the mode
+    results = {}  # item -> its scores, 32x32 thumbnail, image if shown
+    mine = items[rank::world]
+    for start in range(0, len(mine), args.eval_batch_size):
+        batch = mine[start : start + args.eval_batch_size]
+        prompts = [test_prompts[i] for i, _ in batch]
+        noise = torch.stack([
+            torch.randn(latent_shape, device=device,
+                        generator=seeded_generator(device, seed, i))
+            for i, seed in batch])
+        text = encode(pipe, prompts, device, args.max_sequence_length)
+        with swapped(lora_params, ema_params):
+            final = ode_sample(partial(velocity, text=text), noise, eval_sigmas)
+            moved = velocity(noise, eval_sigmas[0], text)
+        with adapters_disabled(pipe.transformer):
+            base = velocity(noise, eval_sigmas[0], text)
+        drift = (moved - base).flatten(1).norm(dim=1) / base.flatten(1).norm(dim=1)
+        images = decode(pipe.vae, final)
+        meta = [test_meta[i] for i, _ in batch]
+        try:
+            batch_scores, info = eval_reward_fn(images.cpu(), prompts, meta)
+        except rewards.RewardError as error:
+            stop(f"error: {error} in the eval after {epoch} epochs", run_dir)
+        columns = {"reward_mean": batch_scores, "lora_drift": drift, **info}
+        pixels = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+        small = torch.nn.functional.interpolate(images, size=32, mode="area")
+        for j, item in enumerate(batch):
+            row = {name: float(values[j]) for name, values in columns.items()}
+            image = pixels[j] if item in shown else None
+            results[item] = (row, small[j].flatten().cpu(), image)
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, results)
+        results = {item: result for part in gathered for item, result in part.items()}
+    rows = [results[item][0] for item in items]
+    means = {name: float(np.mean([row[name] for row in rows])) for name in rows[0]}
+    values = [row["reward_mean"] for row in rows]
+    means["reward_stderr"] = float(np.std(values, ddof=1) / len(rows) ** 0.5)
+    groups = [torch.stack([results[item][1] for item in row])
+              for row in by_prompt.values()]
+    distances = [torch.pdist(group).mean() / group.shape[1] ** 0.5
+                 for group in groups if len(group) > 1]
+    if distances:  # RMS pixel distance of two samples of one prompt
+        means["diversity"] = float(torch.stack(distances).mean())
+    if rank == 0:  # a row per prompt, labelled with its mean reward
+        labelled = []
+        for text, row in by_prompt.items():
+            reward = np.mean([results[item][0]["reward_mean"] for item in row])
+            images = [results[item][2] for item in row if item in shown]
+            if images:
+                labelled.append((f"{reward:.3f}  {text}", images))
+        path = os.path.join(run_dir, f"eval_{epoch:05d}.png")
+        score = f"{means['reward_mean']:.4f} ± {means['reward_stderr']:.4f}"
+        title = f"{os.path.basename(__file__)} after {epoch} epochs: {score}"
+        contact_sheet(title, labelled).save(path)
+        name = args.eval_reward or args.reward
+        print(f"eval after {epoch} epochs: {name} = {means['reward_mean']:.4f}")
+        if epoch and not means["lora_drift"]:
+            print("WARNING: eval/lora_drift is 0: does the LoRA train?")
+        means["sheet"] = os.path.basename(path)
+    return {prefix + name: value for name, value in means.items()}
 
 
 if __name__ == "__main__":
-    # TRY NOT TO MODIFY: input checks and rewards, before the model loads
-    args = tyro.cli(Args, description=__doc__.split("\n\n")[0])
-    if args.toy:  # the demo's flags are the defaults; those given win
-        args = tyro.cli(Args, description=__doc__.split("\n\n")[0],
-                        default=Args(**TOY, toy=True))
-    state = check_args(args)
-    train_prompts, train_meta = ([], []) if args.eval_only else load_prompts(args.train_prompts)
-    test_prompts, test_meta = load_prompts(args.test_prompts)
-    rank = int(os.environ.get("RANK", 0))  # torchrun's
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = args.allow_tf32
-    if "RANK" in os.environ:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    quiet = rank != 0 or not sys.stderr.isatty()
-    if quiet:  # the model-loading bars too
-        diffusers.utils.logging.disable_progress_bar()
-        transformers.utils.logging.disable_progress_bar()
-    diffusers.utils.logging.set_verbosity_error()  # e.g. every truncated prompt
-    try:  # a bad reward file or a silent server fails here
-        rewards.check_prompts(args.reward, train_prompts)
-        rewards.check_prompts(args.eval_reward or args.reward, test_prompts)
-        reward_fn = rewards.build_reward(args.reward, device=device)
-        eval_reward_fn = reward_fn
-        if args.eval_reward:
-            eval_reward_fn = rewards.build_reward(args.eval_reward, device=device)
-    except ValueError as error:
-        fail(str(error))
-    images_per_epoch = args.prompts_per_epoch * args.group_size
-    if images_per_epoch % (world * args.batch_size):
-        fail(f"prompts-per-epoch x group-size = {images_per_epoch} images do not split "
-             f"into {world} GPUs x --batch-size {args.batch_size}")
-    local_images = images_per_epoch // world  # sampled by this rank per epoch
-    num_batches = local_images // args.batch_size
-    run_dir = None
-    parent = os.path.dirname(os.path.abspath(args.resume or "."))
-    if args.resume and not args.eval_only and os.path.basename(parent) == "checkpoints":
-        run_dir = os.path.dirname(parent)  # a resume goes on in its run
-
-    # ALGO LOGIC: from images to optimizer steps. The defaults on 8 GPUs: 48 x 24 = 1152
-    # images, 144 per GPU in 16 micro-batches of 9, each re-noised at int(10 x 0.99) = 9
-    # sigmas (9 micro-steps); 2 updates/epoch: a step sums 8 x 9 = 72 (accum_steps).
-    if num_batches % args.updates_per_epoch:
-        fail(f"{num_batches} micro-batches per GPU per epoch do not split into "
-             f"--updates-per-epoch {args.updates_per_epoch}")
-    num_train_steps = int(args.num_steps * args.timestep_fraction)
-    if num_train_steps < 1:
-        fail(f"--timestep-fraction {args.timestep_fraction} trains no step of "
-             f"--num-steps {args.num_steps}")
-    accum_steps = num_batches // args.updates_per_epoch * num_train_steps
-    if not args.eval_only:
-        say(f"{world} process(es) x {num_batches} micro-batches x {args.batch_size} = "
-            f"{images_per_epoch} images/epoch; {args.updates_per_epoch} updates/epoch "
-            f"of {accum_steps} micro-steps each")
-
-    # TRY NOT TO MODIFY: the model: frozen base in bf16/fp16, LoRA in fp32
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
-    dtype = dtypes[args.mixed_precision]
-    pipe = StableDiffusion3Pipeline.from_pretrained(
-        args.model, dtype={"default": dtype, "vae": torch.float32}).to(device)
-    transformer = pipe.transformer
-    transformer.requires_grad_(False)
-    torch.manual_seed(args.seed)  # the LoRA init, alike on all ranks
-    transformer.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
-                                       init_lora_weights="gaussian",
-                                       target_modules=list(args.lora_targets)))
-    lora_params = [p for p in transformer.parameters() if p.requires_grad]
-    for p in lora_params:
-        p.data = p.data.float()
-    if args.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-    if args.compile:  # regional: each block on its own
-        torch._dynamo.config.recompile_limit = 64
-        for block in transformer.transformer_blocks:
-            block.compile(dynamic=False)
-    optimizer = torch.optim.AdamW(lora_params, lr=args.learning_rate,
-                                  weight_decay=args.weight_decay)
-    scaler = torch.amp.GradScaler(enabled=args.mixed_precision == "fp16")
-    ema_params = [p.detach().clone() for p in lora_params]
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    latent_size = args.resolution // pipe.vae_scale_factor
-    latent_shape = (transformer.config.in_channels, latent_size, latent_size)
-    negative = encode(pipe, [""], device, args.max_sequence_length)  # CFG's, once
-
-    def velocity(x, sigma, text: Text, guidance_scale=args.guidance_scale):
-        with autocast:
-            return predict_velocity(transformer, x, sigma, text, negative, guidance_scale)
-
-    # ALGO LOGIC: the sigma grids, the old policy's LoRA snapshot
-    pipe.scheduler.set_timesteps(args.num_steps, device=device)
-    sigmas = pipe.scheduler.sigmas.float()  # (T+1,) 1 to 0, SD3's shifted schedule
-    train_sigmas = sigmas[:-1]  # (T,): at sigma 0, x_t is x0: nothing to learn
-    say(f"rollout grid sigma {[round(x, 4) for x in sigmas.tolist()]}; "
-        "training timesteps: all but the final 0")
-    pipe.scheduler.set_timesteps(args.eval_num_steps, device=device)
-    eval_sigmas = pipe.scheduler.sigmas.float()
-    # The old policy samples the rollouts and anchors nft_loss (see old_decay).
-    old_params = [p.detach().clone() for p in lora_params]
-    snapshots = {"old": old_params}
-
-    # TRY NOT TO MODIFY: resume, run directory, signals, logging, eval
-    start_epoch = 0
-    global_step = 0
-    if state is not None:
-        saved = state["lora"] + state["ema"] + sum(state["extra"].values(), [])
-        for p, value in zip(lora_params + ema_params + sum(snapshots.values(), []), saved):
-            p.data.copy_(value)
-        optimizer.load_state_dict(state["optimizer"])
-        start_epoch = state["next_epoch"]
-        global_step = state["global_step"]
-    if rank == 0 and run_dir is None:  # made only now: a failed start leaves none
-        name = f"{args.exp_name}__{args.seed}__{int(time.time())}_"
-        run_dir = tempfile.mkdtemp(prefix=name, dir=args.output_dir)  # unique
-        os.chmod(run_dir, 0o755)  # mkdtemp's is private
-    shared = [run_dir]
-    if world > 1:
-        dist.broadcast_object_list(shared, src=0)
-    run_dir = shared[0]
-    if rank == 0:
-        print(f"run dir {run_dir}")
-        prepare_run_dir(run_dir, start_epoch)
-    if args.track and rank == 0:
-        import wandb
-        wandb.init(name=os.path.basename(run_dir), config=vars(args), save_code=True, dir=run_dir)
-
-    def stop(reason: str, code: int = 1):
-        """End at once, queued rewards dropped: the run is in its checkpoints."""
-        say(f"{reason}; --resume latest continues from {last_checkpoint(run_dir)}")
-        rewards.cancelled.set()
-        sys.stdout.flush()
-        os._exit(code)
-
-    for number in (signal.SIGTERM, signal.SIGINT):  # preemption, Ctrl-C
-        signal.signal(number, lambda number, _: stop(
-            f"stopped by {signal.Signals(number).name}", 128 + number))
-
-    def log(metrics: dict, epoch: int):
-        if rank != 0:
-            return
-        strict = {name: None if isinstance(value, float) and not math.isfinite(value)
-                  else value for name, value in metrics.items()}  # JSON has no NaN
-        with open(os.path.join(run_dir, "metrics.jsonl"), "a") as file:
-            file.write(json.dumps({"epoch": epoch, **strict}) + "\n")
-        if args.track:  # the eval sheets as images
-            sheets = {name: wandb.Image(os.path.join(run_dir, value))
-                      for name, value in metrics.items() if name.endswith("sheet")}
-            wandb.log(metrics | sheets, step=epoch)
-
-    @torch.no_grad()
-    def run_eval(epoch: int, prefix: str = "eval/", saved: str | None = None) -> dict:
-        """Score ODE samples of the EMA or LoRA folder `saved`: test prompt i, seed s."""
-        if saved:
-            with warnings.catch_warnings(action="ignore"):
-                pipe.load_lora_weights(saved, adapter_name="saved")
-        items = [(i, seed) for seed in args.eval_seeds for i in range(len(test_prompts))]
-        by_prompt = {}  # test prompt -> its items
-        for item in items:
-            by_prompt.setdefault(test_prompts[item[0]], []).append(item)
-        shown = [item for row in list(by_prompt.values())[:4] for item in row[:4]]
-        transformer.eval()  # as in sampling: compiled graphs depend on the mode
-        results = {}  # item -> its scores, 32x32 thumbnail, image if shown
-        mine = items[rank::world]
-        for start in range(0, len(mine), args.eval_batch_size):
-            batch = mine[start : start + args.eval_batch_size]
-            prompts = [test_prompts[i] for i, _ in batch]
-            noise = torch.stack([
-                torch.randn(latent_shape, device=device,
-                            generator=seeded_generator(device, seed, i))
-                for i, seed in batch])
-            text = encode(pipe, prompts, device, args.max_sequence_length)
-            with swapped(lora_params, ema_params):
-                final = ode_sample(partial(velocity, text=text), noise, eval_sigmas)
-                moved = velocity(noise, eval_sigmas[0], text)
-            with adapters_disabled(transformer):
-                base = velocity(noise, eval_sigmas[0], text)
-            drift = (moved - base).flatten(1).norm(dim=1) / base.flatten(1).norm(dim=1)
-            images = decode(pipe.vae, final)
-            meta = [test_meta[i] for i, _ in batch]
-            try:
-                batch_scores, info = eval_reward_fn(images.cpu(), prompts, meta)
-            except rewards.RewardError as error:
-                stop(f"error: {error} in the eval after {epoch} epochs")
-            columns = {"reward_mean": batch_scores, "lora_drift": drift, **info}
-            pixels = (images.permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
-            small = torch.nn.functional.interpolate(images, size=32, mode="area")
-            for j, item in enumerate(batch):
-                row = {name: float(values[j]) for name, values in columns.items()}
-                image = pixels[j] if item in shown else None
-                results[item] = (row, small[j].flatten().cpu(), image)
-        if world > 1:
-            gathered = [None] * world
-            dist.all_gather_object(gathered, results)
-            results = {item: result for part in gathered for item, result in part.items()}
-        rows = [results[item][0] for item in items]
-        means = {name: float(np.mean([row[name] for row in rows])) for name in rows[0]}
-        values = [row["reward_mean"] for row in rows]
-        means["reward_stderr"] = float(np.std(values, ddof=1) / len(rows) ** 0.5)
-        groups = [torch.stack([results[item][1] for item in row])
-                  for row in by_prompt.values()]
-        distances = [torch.pdist(group).mean() / group.shape[1] ** 0.5
-                     for group in groups if len(group) > 1]
-        if distances:  # RMS pixel distance of two samples of one prompt
-            means["diversity"] = float(torch.stack(distances).mean())
-        if rank == 0:  # a row per prompt, labelled with its mean reward
-            labelled = []
-            for text, row in by_prompt.items():
-                reward = np.mean([results[item][0]["reward_mean"] for item in row])
-                images = [results[item][2] for item in row if item in shown]
-                if images:
-                    labelled.append((f"{reward:.3f}  {text}", images))
-            path = os.path.join(run_dir, f"eval_{epoch:05d}.png")
-            name = args.eval_reward or args.reward
-            score = f"{means['reward_mean']:.4f} ± {means['reward_stderr']:.4f}"
-            title = f"{os.path.basename(__file__)} after {epoch} epochs: {score}"
-            contact_sheet(title, labelled).save(path)
-            print(f"eval after {epoch} epochs: {name} = {means['reward_mean']:.4f}")
-            if epoch and not means["lora_drift"]:
-                print("WARNING: eval/lora_drift is 0: does the LoRA train?")
-            means["sheet"] = os.path.basename(path)  # in the run directory
-        return {prefix + name: value for name, value in means.items()}
-
-    if args.eval_only:
-        log(run_eval(start_epoch), start_epoch)
-    executor = ThreadPoolExecutor(max_workers=1)  # scores while sampling goes on
-    metrics = state.get("metrics", {}) if state else {}  # a relaunch's
-    for epoch in range(start_epoch, 0 if args.eval_only else args.epochs):
-        epoch_start = clock(device)
-        metrics = run_eval(epoch) if epoch % args.eval_every == 0 else {}
-        text_start = clock(device)
-        prompt_gen = seeded_generator(torch.device("cpu"), args.seed, epoch)  # alike on all ranks
-        num_prompts = len(train_prompts)
-        if num_prompts >= args.prompts_per_epoch:
-            chosen = torch.randperm(num_prompts, generator=prompt_gen)[: args.prompts_per_epoch]
-        else:
-            chosen = torch.randint(num_prompts, (args.prompts_per_epoch,), generator=prompt_gen)
-        epoch_prompts = [train_prompts[i] for i in chosen]  # group g's is row g
-        epoch_meta = [train_meta[i] for i in chosen]
-        epoch_text = encode(pipe, epoch_prompts, device, args.max_sequence_length)
-        sampling_start = clock(device)
-
-        # ALGO LOGIC: sampling. The epoch's images, shuffled alike on every rank (a group
-        # spans ranks), sampled deterministically by the old policy; x0 alone is kept.
-        group_ids = torch.arange(args.prompts_per_epoch).repeat_interleave(args.group_size)
-        group_ids = group_ids[torch.randperm(images_per_epoch, generator=prompt_gen)]
-        my_groups = group_ids.view(world, num_batches, args.batch_size)[rank]
-        noise_gen = seeded_generator(device, args.seed, epoch, rank)
-        transformer.eval()
-        batches = []  # (Text, x0 (B, C, h, w)) of each micro-batch
-        futures = []  # their rewards
-        progress = tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet, leave=False)
-        with swapped(lora_params, old_params):
-            for groups in progress:
-                text = Text(epoch_text.embeds[groups], epoch_text.pooled[groups])
-                noise = torch.randn((args.batch_size, *latent_shape),
-                                    generator=noise_gen, device=device)
-                x0 = dpm_sample(partial(velocity, text=text), noise, sigmas)[:, -1]
-                images = decode(pipe.vae, x0).cpu()
-                prompts = [epoch_prompts[group] for group in groups]
-                meta = [epoch_meta[group] for group in groups]
-                futures.append(executor.submit(reward_fn, images, prompts, meta))
-                batches.append((text, x0))
-
-        # TRY NOT TO MODIFY: all ranks' rewards and the advantages
-        reward_start = clock(device)
-        try:
-            scores, infos = zip(*[future.result() for future in futures])
-        except rewards.RewardError as error:
-            stop(f"error: {error} at epoch {epoch}")
-        info = {name: torch.cat([part[name] for part in infos]) for name in infos[0]}
-        all_rewards = all_gather_cat(torch.cat(scores).float().to(device), world).cpu()  # (P*G,)
-        all_components = {name: all_gather_cat(info[name].to(device), world).cpu()
-                          for name in reward_fn.weights}
-        extras = {f"reward/{name}": values.mean().item()  # e.g. pickscore_raw
-                  for name, values in info.items() if name not in reward_fn.weights}
-        extras = rank_mean(extras, world, device)
-        if reward_fn.group_transform is not None:  # e.g. ranks within each group
-            all_rewards, all_components = reward_fn.group_transform(all_components, group_ids)
-        advantages = compute_advantages(all_rewards, all_components, reward_fn.weights,
-                                        group_ids, args.advantage_aggregation, args.per_group_std)
-        check_finite(f"epoch {epoch}", run_dir, reward=all_rewards, advantage=advantages)
-        group_std = torch.stack([all_rewards[group_ids == group].std(unbiased=False)
-                                 for group in range(args.prompts_per_epoch)])
-        training_start = clock(device)
-
-        # ALGO LOGIC: training. A micro-step re-noises x0, each sample at a random grid sigma.
-        my_advantages = advantages.view(world, num_batches, args.batch_size)[rank].to(device)
-        transformer.train()
-        train_gen = seeded_generator(device, args.seed, epoch, rank, 1)  # not rollouts'
-        stats = defaultdict(list)  # a value per micro-step
-        micro_step = 0
-        progress = tqdm(batches, f"epoch {epoch} training", disable=quiet, leave=False)
-        for (text, x0), batch_advantages in zip(progress, my_advantages):
-            # Each sample's own random order of the training sigmas: (B, T).
-            order = torch.rand(len(x0), len(train_sigmas), generator=train_gen,
-                               device=device).argsort(dim=1)
-            for j in range(num_train_steps):
-                sigma = train_sigmas[order[:, j]]  # (B,)
-                noise = torch.randn(x0.shape, generator=train_gen, device=device)
-                xt = ((1 - sigma.view(-1, 1, 1, 1)) * x0
-                      + sigma.view(-1, 1, 1, 1) * noise)
-                with torch.no_grad(), swapped(lora_params, old_params):
-                    v_old = velocity(xt, sigma, text)
-                v = velocity(xt, sigma, text)
-                v_ref = None  # the base model's, for the KL
-                if args.kl_beta > 0:
-                    with torch.no_grad(), adapters_disabled(transformer):
-                        v_ref = velocity(xt, sigma, text)
-                loss, step_stats = nft_loss(
-                    v=v, v_old=v_old, v_ref=v_ref, x0=x0, xt=xt, t=sigma,
-                    advantages=batch_advantages, beta=args.beta,
-                    adv_clip=args.adv_clip, kl_beta=args.kl_beta,
-                    accum_steps=accum_steps)
-                scaler.scale(loss).backward()
-                for name, value in step_stats.items():
-                    stats[name].append(value)
-                micro_step += 1
-                if micro_step % accum_steps == 0:
-                    grad_norm = optimizer_step(
-                        optimizer, scaler, lora_params, args.max_grad_norm, world,
-                        loss, f"epoch {epoch}, step {global_step}", run_dir)
-                    global_step += 1
-                    # Once per optimizer step; a warm-up keeps the EMA near the weights.
-                    decay = min(args.ema_decay, (1 + global_step) / (10 + global_step))
-                    for ema, p in zip(ema_params, lora_params):
-                        ema.mul_(decay).add_(p.detach(), alpha=1 - decay)
-        # The old policy moves once per epoch (old_decay).
-        eta = old_decay(global_step, args.decay_type)
-        for old, p in zip(old_params, lora_params):
-            old.mul_(eta).add_(p.detach(), alpha=1 - eta)
-
-        # ALGO LOGIC: this algorithm's metrics and its part of the summary line
-        losses = {f"losses/{name}": float(np.mean(values)) for name, values in stats.items()}
-        metrics.update(rank_mean(losses, world, device))
-        # 0 while eta is 0: an epoch then starts with old == current.
-        metrics["losses/first_old_deviate"] = stats["old_deviate"][0]
-        metrics["charts/old_decay"] = eta
-        # A growing mean x0^2 is upstream's sign of a drift to bright images
-        # (DiffusionNFT issue 47).
-        x0_norms = torch.stack([(x0**2).mean() for _, x0 in batches])
-        metrics["charts/x0_norm"] = x0_norms.mean().item()
-        summary = (f"policy {metrics['losses/policy_loss']:.3e} "
-                   f"kl {metrics['losses/kl']:.3e} | "
-                   f"old dev {metrics['losses/old_deviate']:.1e} eta {eta:.3f}")
-
-        # TRY NOT TO MODIFY: shared metrics, the line, checkpoint, final eval
-        epoch_end = clock(device)
-        epoch_seconds = epoch_end - epoch_start
-        max_mem_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
-        if device.type == "cuda":
-            max_mem_gb = torch.cuda.max_memory_allocated(device) / 1e9
-        metrics.update({
-            "losses/grad_norm": float(grad_norm),
-            "reward/mean": all_rewards.mean().item(),
-            "reward/std": all_rewards.std(unbiased=False).item(),
-            "reward/zero_std_group_frac": (group_std == 0).float().mean().item(),
-            **{f"reward/{name}": part.mean().item() for name, part in all_components.items()},
-            **extras,
-            "charts/global_step": global_step,
-            "charts/learning_rate": args.learning_rate,
-            "perf/images_per_sec": images_per_epoch / (reward_start - sampling_start),
-            "perf/epoch_seconds": epoch_seconds,
-            "perf/eval_seconds": text_start - epoch_start,
-            "perf/text_encoding_seconds": sampling_start - text_start,
-            "perf/sampling_seconds": reward_start - sampling_start,
-            "perf/reward_seconds": training_start - reward_start,
-            "perf/training_seconds": epoch_end - training_start,
-            "perf/compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
-            "perf/max_mem_gb": max_mem_gb})
-        if rank == 0:
-            line = (f"epoch {epoch}: reward {metrics['reward/mean']:.4f} ± "
-                    f"{metrics['reward/std']:.4f} | {summary} | "
-                    f"{metrics['perf/images_per_sec']:.2f} img/s | {epoch_seconds:.0f}s")
-            if "eval/reward_mean" in metrics:
-                line += (f" | eval {metrics['eval/reward_mean']:.4f} ± "
-                         f"{metrics['eval/reward_stderr']:.4f}")
-            print(line + " (nan: a reward gave no number)" * ("nan" in line))
-        path = os.path.join(run_dir, "checkpoints", f"epoch_{epoch + 1:05d}")
-        last = epoch + 1 == args.epochs
-        try:  # each epoch: a preemption loses one at most
-            if not last:  # before its checkpoint: a resume redoes it whole
-                log(metrics, epoch)
-            if rank == 0:
-                save_checkpoint(path, transformer, lora_params, ema_params, snapshots,
-                                optimizer, epoch + 1, global_step, args, metrics)
-                prune_checkpoints(run_dir, path, args.save_every, args.checkpoints_total_limit)
-                if not last:  # the last's waits for the final eval
-                    write_card(run_dir, args, images_per_epoch)
-        except (OSError, SafetensorError) as error:
-            stop(f"error: {error} (saving epoch {epoch + 1})")
-        if world > 1:
-            dist.barrier()
-
-    # TRY NOT TO MODIFY: the final eval of the saved file, card, push, line
-    if not args.eval_only:
-        path = os.path.join(run_dir, "checkpoints", f"epoch_{args.epochs:05d}")
-        metrics.update(run_eval(args.epochs, "eval/final_", f"{path}/ema_lora"))
-        try:
-            if rank == 0:
-                write_card(run_dir, args, images_per_epoch, final=metrics)
-            if rank == 0 and args.push_to_hub:  # the final EMA LoRA alone
-                hub = huggingface_hub.HfApi()
-                hub.create_repo(args.hub_model_id, private=args.hub_private, exist_ok=True)
-                hub.upload_folder(repo_id=args.hub_model_id, folder_path=f"{path}/ema_lora")
-                print(f"pushed to https://huggingface.co/{args.hub_model_id}")
-            log(metrics, args.epochs - 1)
-        except OSError as error:
-            stop(f"error: {error} (finishing after {args.epochs} epochs)")
-    executor.shutdown()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    main()

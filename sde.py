@@ -1,5 +1,6 @@
 """Reverse-time step math shared by every script (pure functions, no models): SDE steps, which
-steps are SDE steps, trust regions on a step's Gaussian, an ODE solver, group advantages.
+steps are SDE steps, trust regions on a step's Gaussian, an ODE solver. (Advantages are
+each script's own: its ALGO LOGIC.)
 
 Conventions, stated once:
 - Time is the flow-matching noise level sigma in [0, 1] (1: pure noise, 0: data), and
@@ -142,27 +143,6 @@ def sde_step(v: torch.Tensor, x: torch.Tensor, sigma: float | torch.Tensor,
     else:
         log_prob = gaussian_log_prob(prev_sample.detach(), mean, std)
     return prev_sample, log_prob, mean, std
-
-def group_advantages(rewards, group_ids, per_group_std: bool, eps: float = 1e-4, ddof: int = 0):
-    """(reward - its group's mean) / (std + eps), all (N,). std: of all rewards (Flow-GRPO's
-    `global_std`, flow_grpo/stat_tracking.py) or of each group's (per_group_std), with ddof 0
-    (population) or 1 (DanceGRPO's torch .std(), train_grpo_flux.py)."""
-    rewards = rewards.double()
-    count = torch.bincount(group_ids).double()
-    centered = rewards - (torch.bincount(group_ids, rewards) / count)[group_ids]
-    std = rewards.std(unbiased=False)
-    if per_group_std:
-        std = (torch.bincount(group_ids, centered**2) / (count - ddof)).sqrt()[group_ids]
-    return (centered / (std + eps)).float()
-
-def compute_advantages(rewards, components, weights, group_ids, aggregation, per_group_std):
-    """Advantages (N,). `gdpo` (arXiv:2601.05242) with several rewards: normalise each within its
-    group, sum them weighted, normalise the sum over the epoch; `sum`: normalise the sum."""
-    if aggregation == "sum" or len(components) <= 1:
-        return group_advantages(rewards, group_ids, per_group_std)
-    summed = sum(weight * group_advantages(components[name], group_ids, per_group_std=True)
-                 for name, weight in weights.items())
-    return (summed - summed.mean()) / (summed.std(unbiased=False) + 1e-4)
 
 # ---- Which steps are SDE steps ----
 def sde_window(size: int, window_range, num_steps: int, generator, epoch: int = 0,

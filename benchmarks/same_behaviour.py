@@ -333,6 +333,9 @@ def short(value, width: int = 80) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+NEW_METRICS_OK = False  # --new-metrics-ok: a metric only the candidate logs is no difference
+
+
 def diff_metrics(a: Path, b: Path, name: str) -> list[str]:
     lines_a, lines_b = a.read_text().splitlines(), b.read_text().splitlines()
     if len(lines_a) != len(lines_b):
@@ -341,6 +344,8 @@ def diff_metrics(a: Path, b: Path, name: str) -> list[str]:
     for number, (line_a, line_b) in enumerate(zip(lines_a, lines_b), 1):
         row_a, row_b = json.loads(line_a), json.loads(line_b)
         timings = frozenset(key for key in {*row_a, *row_b} if key.startswith("perf/"))
+        if NEW_METRICS_OK:
+            timings |= frozenset(set(row_b) - set(row_a))
         where = f"{name} line {number} (epoch {row_a.get('epoch')})"
         found += diff_objects(row_a, row_b, where, timings)
     return found
@@ -386,7 +391,30 @@ def load_dcp(path: Path) -> dict:
         return torch.load(f"{tmp}/state.pt", map_location="cpu")
 
 
+def card_contents(path: Path) -> dict:
+    """A model card's metadata and text, its `Trained with` command as a set of flags with
+    their values (the order of Args' fields is no behaviour)."""
+    import huggingface_hub
+    text = re.sub(r"/(reference|candidate)/[^/]+/", "/<tree>/", path.read_text())
+    text = re.sub(r"__\d+__\d+_\w+/", "__<RUN>/", text)  # the run's start time
+    card = huggingface_hub.ModelCard(text)
+    head, _, rest = card.text.partition("Trained with `")
+    command, _, tail = rest.partition("`")
+    groups, words = [], shlex.split(command)
+    for word in words[2:]:  # after `python SCRIPT`
+        if word.startswith("--"):
+            groups.append([word])
+        else:
+            groups[-1].append(word)
+    return {"data": card.data.to_dict(), "text": head + tail, "command": words[:2],
+            "flags": sorted(map(tuple, groups))}
+
+
 def diff_file(a: Path, b: Path, name: str) -> list[str]:
+    if name.endswith("state.pt.sha256"):  # state.pt's timings differ; state.pt is compared
+        return []
+    if name.endswith("README.md"):
+        return diff_objects(card_contents(a), card_contents(b), name)
     if name.endswith("metrics.jsonl"):
         return diff_metrics(a, b, name)
     if name.endswith(".png"):
@@ -395,6 +423,13 @@ def diff_file(a: Path, b: Path, name: str) -> list[str]:
         state_a, state_b = (torch.load(path, map_location="cpu") for path in (a, b))
         found = diff_objects(state_a.pop("args", {}), state_b.pop("args", {}), f"{name} args",
                              frozenset(IGNORED_ARGS))
+        for state in (state_a, state_b):  # DCP's .metadata holds its path and a random id
+            state.get("dcp_sha256", {}).pop(".metadata", None)
+        metrics_a, metrics_b = state_a.pop("metrics", {}), state_b.pop("metrics", {})
+        ignored = {key for key in {*metrics_a, *metrics_b} if key.startswith("perf/")}
+        if NEW_METRICS_OK:
+            ignored |= set(metrics_b) - set(metrics_a)
+        found += diff_objects(metrics_a, metrics_b, f"{name} metrics", frozenset(ignored))
         return found + diff_objects(state_a, state_b, name)
     if name.endswith(".safetensors"):
         return diff_objects(load_safetensors(a), load_safetensors(b), name)
@@ -593,7 +628,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference-only", action="store_true",
                         help="only make sure the reference outputs are cached")
     parser.add_argument("--list", action="store_true", help="print the configurations, exit")
+    parser.add_argument("--new-metrics-ok", action="store_true",
+                        help="a metric key only the candidate logs is no difference")
     options = parser.parse_args(argv)
+    global NEW_METRICS_OK
+    NEW_METRICS_OK = options.new_metrics_ok
     scripts = [script for script in SCRIPTS
                if any(script.startswith(prefix) for prefix in options.scripts)]
     jobs = [(script, name, nproc) for script in scripts for name, config in

@@ -55,7 +55,7 @@ def evaluate(script: str, flags: list[str], seeds: list[int], work: Path,
 
 def one_run(name: str, flags: list[str], seed: int, seeds: list[int], work: Path,
             base: dict) -> dict:
-    script = SCRIPTS[name]
+    script = SCRIPTS.get(name, name)  # a copy of a script: its file name
     out = work / f"{name}-{seed}"
     out.mkdir()
     run([script, *flags, "--seed", str(seed), "--output-dir", str(out)], out / "log.txt")
@@ -75,7 +75,8 @@ def one_run(name: str, flags: list[str], seed: int, seeds: list[int], work: Path
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scripts", nargs="+", default=list(SCRIPTS))
+    parser.add_argument("--scripts", nargs="+", default=list(SCRIPTS),
+                        help="demo names, or a copy's file (rloo_sd35.py: its --toy)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[42, 1, 2])
     parser.add_argument("--report-seeds", nargs="+", type=int, default=REPORTING)
     parser.add_argument("--flags", nargs="*", default=[],
@@ -86,11 +87,12 @@ def main():
     lines = demo_lines()
     extra = dict(item.split("=", 1) for item in args.flags)
     work = Path(tempfile.mkdtemp(prefix="toy-demos-"))
-    flags = {name: lines[SCRIPTS[name]] + shlex.split(extra.get(name, ""))
-             for name in args.scripts}
+    flags = {name: lines.get(SCRIPTS.get(name, name), ["--toy"])
+             + shlex.split(extra.get(name, "")) for name in args.scripts}
     with ThreadPoolExecutor(args.jobs) as pool:  # the base model, once per demo line
         bases = dict(zip(args.scripts, pool.map(
-            lambda name: evaluate(SCRIPTS[name], flags[name], args.report_seeds, work, None),
+            lambda name: evaluate(SCRIPTS.get(name, name), flags[name], args.report_seeds,
+                                  work, None),
             args.scripts)))
         jobs = [(name, seed) for name in args.scripts for seed in args.seeds]
         rows = list(pool.map(lambda job: one_run(job[0], flags[job[0]], job[1],

@@ -22,9 +22,25 @@ for folder in (TESTS.parent, TESTS):
 
 import pytest  # noqa: E402
 
-from scripts_harness import (LEARNING_TEST, start_learning_run,  # noqa: E402
-                             stop_learning_runs)
+from scripts_harness import (LEARNING_TEST, contract_run, is_flux,  # noqa: E402
+                             start_learning_run, stop_learning_runs)
 from tiny import build_tiny_flux, build_tiny_sd3  # noqa: E402
+
+
+SHIPPED = ["grpo_sd35.py", "nft_sd35.py", "awm_sd35.py", "crd_sd35.py", "dance_grpo_flux.py"]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--script", action="append", default=[],
+                     help="tests/test_contract.py: hold this script (a copy of a shipped one, "
+                          "say) to the contract; repeatable (default: the five shipped)")
+
+
+def pytest_generate_tests(metafunc):
+    """tests/test_contract.py's tests run once for each --script (default: the shipped five)."""
+    if "contract_script" in metafunc.fixturenames:
+        scripts = metafunc.config.getoption("script") or SHIPPED
+        metafunc.parametrize("contract_script", scripts)
 
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection
@@ -56,3 +72,14 @@ def tiny_sd3(tmp_path_factory) -> str:
 def tiny_flux(tmp_path_factory) -> str:
     """Path of a saved tiny FluxPipeline (pass as --model)."""
     return build_tiny_flux(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tiny_sd3, tiny_flux, tmp_path_factory):
+    """tiny_run(script, nproc=1): the contract's run of a script (scripts_harness.contract_run),
+    made once a session, shared by tests/test_contract.py and the script's own tests."""
+    root = tmp_path_factory.mktemp("contract")
+
+    def get(script: str, nproc: int = 1):
+        return contract_run(script, tiny_flux if is_flux(script) else tiny_sd3, root, nproc)
+    return get

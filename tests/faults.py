@@ -13,6 +13,8 @@ with the fault in environment variables:
     FAULT_OFF_POLICY=C    every step the training re-scores (sde.sde_step given the rollout's
                           draw as prev_sample) gets C added to its log-prob: the ratio to the
                           rollout's is exp(C) for every sample, as if it ran other weights
+    FAULT_OFF_POLICY_AFTER=N   with FAULT_OFF_POLICY: the first N re-scores are left as they
+                          are (a half-done change: the epoch's first micro-step is on-policy)
     FAULT_HUB=FILE        the Hub answers whoami as user "tester", and create_repo and
                           upload_folder append their arguments to FILE as JSON lines instead
                           of sending anything
@@ -70,9 +72,14 @@ if "FAULT_OFF_POLICY" in os.environ:  # before the script imports sde_step from 
     import sde
 
     def off_policy(step):
+        rescored = []  # one entry per re-score so far
+
         def sde_step(*args, prev_sample=None, **kwargs):
             out = step(*args, prev_sample=prev_sample, **kwargs)
             if prev_sample is None:  # a rollout's step: as it is
+                return out
+            rescored.append(1)
+            if len(rescored) <= int(os.environ.get("FAULT_OFF_POLICY_AFTER", 0)):
                 return out
             shift = float(os.environ["FAULT_OFF_POLICY"])
             return out[0], out[1] + shift, *out[2:]

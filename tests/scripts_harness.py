@@ -44,6 +44,51 @@ def tiny_sd35_flags(model: str, out, precision: str = "no") -> list[str]:
             "--max-sequence-length", "16", "--mixed-precision", precision]
 
 
+# The contract's runs (tests/test_contract.py), each made once a session and shared with the
+# shipped script's own tests. Their flags make each algorithm's state move every step (its EMA,
+# its snapshots; a KL weight that is not the default), so a resume that forgot one shows; a copy
+# of a script (any other name) runs with the tiny flags alone.
+ONE_PROCESS_FLAGS = {
+    "grpo_sd35.py": ["--kl-beta", "0.1", "--ema-interval", "0"],
+    "nft_sd35.py": ["--decay-type", "1", "--updates-per-epoch", "1", "--kl-beta", "0.01"],
+    "awm_sd35.py": ["--train-batch-size", "2", "--train-timesteps", "2", "--kl-beta", "0.01",
+                    "--anchor-beta", "0.5"],
+    "crd_sd35.py": ["--num-train-timesteps", "4", "--kl-beta", "0.3"],
+    "dance_grpo_flux.py": ["--ema-decay", "0.5", "--updates-per-epoch", "1"]}
+TWO_PROCESS_FLAGS = {
+    "nft_sd35.py": ["--kl-beta", "1e-4"],
+    "awm_sd35.py": ["--train-batch-size", "2", "--train-timesteps", "2"],
+    "crd_sd35.py": ["--kl-beta", "0.1", "--num-train-timesteps", "4"],
+    "dance_grpo_flux.py": ["--no-init-same-noise", "--ema-decay", "0.9", "--eval-seeds", "42",
+                           "7", "--updates-per-epoch", "1"]}
+CONTRACT_RUNS: dict = {}  # (script, nproc) -> its run directory
+
+
+def is_flux(script: str) -> bool:
+    """A FLUX script (the tiny FLUX pipeline) or an SD3.5 one."""
+    return "FluxPipeline" in (REPO / script).read_text()
+
+
+def contract_flags(script: str, model: str, out, nproc: int = 1) -> list[str]:
+    """A contract run's flags: the tiny ones (bf16 under torchrun, as a cluster runs), the
+    script's own (above), two epochs."""
+    precision = "bf16" if nproc > 1 else "no"
+    own = (ONE_PROCESS_FLAGS if nproc == 1 else TWO_PROCESS_FLAGS).get(script, [])
+    extra = ["--batch-size", "2"] if nproc > 1 else []
+    return tiny_sd35_flags(model, out, precision) + own + ["--epochs", "2"] + extra
+
+
+def contract_run(script: str, model: str, root: Path, nproc: int = 1) -> Path:
+    """The contract's run of `script` under `nproc` processes (one process: pushed to the
+    recorder Hub), made on first use."""
+    if (script, nproc) not in CONTRACT_RUNS:
+        out = root / f"{script[:-3]}-np{nproc}"
+        flags = contract_flags(script, model, out, nproc)
+        run = pushed_run(script, flags) if nproc == 1 else run_script(script, flags, nproc)
+        CONTRACT_RUNS[script, nproc] = run
+    return CONTRACT_RUNS[script, nproc]
+
+
 def script_env() -> dict:
     """The environment of a launched script: offline, no wandb, one thread, the repo importable,
     and no RANK left over from a launcher around pytest."""

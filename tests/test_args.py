@@ -54,7 +54,7 @@ def test_every_number_flag_has_a_range(script):
     annotated = {name for name, hint in hints.items() if hasattr(hint, "__metadata__")}
     stray = sorted(annotated - set(number_fields(module)))
     assert not stray, f"{script}: ranges on flags that hold no number: {stray}"
-    assert set(ranges(module).values()) <= set(module.RANGES) <= set(OUTSIDE)
+    assert set(ranges(module).values()) <= set(OUTSIDE)  # check_ranges knows each (below)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

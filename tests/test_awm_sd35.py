@@ -3,7 +3,6 @@ on a Gaussian toy, then end-to-end runs on the tiny offline SD3 pipeline."""
 
 import math
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,10 +12,9 @@ from awm_sd35 import (Text, awm_log_prob, awm_loss, ode_sample, predict_velocity
                       sa_solver_sample, sde_sample, stratified_timestep_indices)
 from sde import sde_step
 from scripts_harness import (assert_accuracy_rose, assert_bad_input, assert_common_run,
-                             cut_back_copy, learning_run, read_metrics, run_script,
+                             learning_run, read_metrics, run_script,
                              tiny_sd35_flags)
-from scripts_harness import (NAN_REWARD, assert_ema_moves_once_a_step, assert_pushed,
-                             assert_same_state, assert_stopped_at_the_nan_reward, pushed_run)
+from scripts_harness import assert_ema_moves_once_a_step
 
 SCRIPT = "awm_sd35.py"
 # tiny runs: 2 samples x 2 timesteps per forward
@@ -195,15 +193,10 @@ def test_sde_sample_is_eulers_ode_or_the_flow_sde_step_by_step():
 
 # ---- end to end ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def one_process_run(tiny_sd3, tmp_path_factory):
-    out = tmp_path_factory.mktemp("awm1")
-    flags = FAST + ["--epochs", "2", "--kl-beta", "0.01", "--anchor-beta", "0.5"]  # not defaults
-    return pushed_run(SCRIPT, tiny_sd35_flags(tiny_sd3, out) + flags)  # the Hub a recorder
-
-
-@pytest.mark.quick
-def test_push_sends_the_final_ema_lora_with_its_card(one_process_run):
-    assert_pushed(one_process_run, SCRIPT, epochs=2)
+def one_process_run(tiny_run):
+    """The contract's run (scripts_harness.ONE_PROCESS_FLAGS), shared with
+    tests/test_contract.py."""
+    return tiny_run(SCRIPT)
 
 
 @pytest.mark.quick
@@ -244,24 +237,9 @@ def test_the_ema_moves_once_an_optimizer_step(one_process_run):
     assert_ema_moves_once_a_step(one_process_run, decay=0.99)  # the default --ema-decay
 
 
-def test_resume_matches_uninterrupted_run(tiny_sd3, tmp_path, one_process_run):
-    flags = FAST + ["--kl-beta", "0.01"]
-    first = cut_back_copy(one_process_run, tmp_path / "a")  # as if it had stopped after epoch 1
-    resumed = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path / "a") + flags + [
-        "--epochs", "2", "--resume", str(first / "checkpoints" / "epoch_00001"),
-        "--no-push-to-hub"])  # the run pushed (to a recorder); a flag given wins
-    # it continues its run directory
-    assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]
-    # LoRA, EMA, the anchor, AdamW's state, bit for bit
-    last = Path("checkpoints") / "epoch_00002"
-    assert_same_state(resumed / last, one_process_run / last)
-
-
-def test_two_process_torchrun(tiny_sd3, tmp_path):
-    flags = FAST + ["--epochs", "2", "--batch-size", "2"]
-    run_dir = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path, precision="bf16") + flags,
-                         nproc=2)
-    for epoch, m in enumerate(assert_common_run(run_dir, epochs=2)):
+def test_two_process_torchrun(tiny_run):
+    metrics = read_metrics(tiny_run(SCRIPT, nproc=2))  # the contract's (TWO_PROCESS_FLAGS)
+    for epoch, m in enumerate(metrics):
         assert m["charts/global_step"] == epoch + 1
 
 
@@ -301,6 +279,3 @@ def test_bad_input_is_rejected_before_training(tiny_sd3, tmp_path, flags, messag
     assert_bad_input(SCRIPT, flags, message)
 
 
-def test_a_nan_reward_stops_in_one_line_with_an_intact_checkpoint(tiny_sd3, tmp_path):
-    flags = tiny_sd35_flags(tiny_sd3, tmp_path) + FAST + NAN_REWARD
-    assert_stopped_at_the_nan_reward(run_script(SCRIPT, flags, check=False), tmp_path)

@@ -18,18 +18,20 @@ SCRIPTS = SD35_SCRIPTS + ["dance_grpo_flux.py"]
 SHARED = ["Text", "fail", "check_ranges", "check_args", "load_prompts", "all_gather_cat",
           "seeded_generator", "encode", "predict_velocity", "ode_sample", "decode",
           "optimizer_step", "save_checkpoint", "swapped", "adapters_disabled", "prepare_run_dir",
-          "rank_mean", "clock", "check_finite"]
+          "rank_mean", "clock", "check_finite", "write_card", "stop", "log", "run_eval"]
 # Functions and classes that dance_grpo_flux.py defines for FLUX in its own way; every other
 # top-level name two scripts share is one verbatim copy.
 # (Text: FLUX's are T5 tokens and a pooled CLIP-L; swapped: FSDP2 reads its own shards, so
 # dance copies in place where the LoRA scripts swap storage.)
+# (run_eval: FLUX's drift, decode and full fine-tuning; main: its own blocks.)
 FLUX_OWN = {"Args", "check_args", "encode", "predict_velocity", "decode",
             "save_checkpoint", "optimizer_step", "rollout", "grpo_loss", "Rollout",
-            "LORA_TARGETS", "STATE_FLAGS", "Text", "swapped", "TOY"}
-# ALGO LOGIC names that differ between SD3.5 scripts by design (TOY: each its demo's flags)
-ALGO_OWN = {"Args", "rollout", "Rollout", "TOY"}
+            "LORA_TARGETS", "Text", "swapped", "TOY", "run_eval", "compute_advantages", "main"}
+# ALGO LOGIC names that differ between SD3.5 scripts by design (TOY: each its demo's flags;
+# compute_advantages: each algorithm's own; main: the loop, its ALGO LOGIC blocks among the rest)
+ALGO_OWN = {"Args", "rollout", "Rollout", "TOY", "compute_advantages", "main"}
 SHARED_TAG, ALGO_TAG = "# TRY NOT TO MODIFY:", "# ALGO LOGIC:"
-ALGO_ARGS = "    # Algorithm-specific arguments"
+SHARED_ARGS = "    # Shared arguments"
 
 
 def read(script: str) -> str:
@@ -75,9 +77,10 @@ def shared_segments(text: str) -> list[str]:
 
 
 def generic_args(text: str) -> str:
-    """The Args fields before `# Algorithm-specific arguments`."""
-    start = text.index("class Args:")
-    return text[start : text.index(ALGO_ARGS, start)]
+    """Args' shared fields: from `# Shared arguments` (after the algorithm's and the recipe's
+    own) to the end of the class."""
+    start = text.index(SHARED_ARGS, text.index("class Args:"))
+    return text[start : text.index("\n\n\n", start)]
 
 
 @pytest.mark.parametrize("script", SD35_SCRIPTS[1:])
@@ -138,10 +141,21 @@ def test_a_name_two_scripts_define_is_one_copy(first, second):
 
 
 def test_the_template_tags_its_segments():
-    segments = shared_segments(read(TEMPLATE))
-    assert len(segments) >= 6 and ALGO_ARGS in read(TEMPLATE)
-    helpers = segments[1]  # one block of helpers, after the constants
+    """The reading order: Args (the algorithm's flags first), ALGO LOGIC (sampler, advantages,
+    loss), main() with the loop in the file's first half, then the shared helpers, last, in
+    one block."""
+    text = read(TEMPLATE)
+    segments = shared_segments(text)
+    assert len(segments) >= 6 and SHARED_ARGS in text
+    helpers = segments[-1]
+    assert helpers.startswith("# TRY NOT TO MODIFY: the shared helpers")
     assert all(f"\ndef {name}(" in helpers or f"class {name}(" in helpers for name in SHARED)
+    lines = text.splitlines()
+    loop = next(i for i, line in enumerate(lines) if line.startswith("    for epoch in range("))
+    assert loop < len(lines) / 2, f"the epoch loop starts at line {loop + 1} of {len(lines)}"
+    order = [text.index(mark) for mark in ["class Args:", "def compute_advantages(",
+                                            "def main():", "# TRY NOT TO MODIFY: the shared"]]
+    assert order == sorted(order)
 
 
 def algo_segments(text: str) -> list[str]:
@@ -152,17 +166,24 @@ def algo_segments(text: str) -> list[str]:
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_the_contract_names_what_algo_logic_sets_and_plumbing_reads(script):
-    """The names listed at the top of the file are set in an ALGO LOGIC segment and read in a
-    shared one: a researcher who rewrites a segment knows what to keep."""
+def test_each_shared_block_names_what_it_reads_of_algo_logic(script):
+    """A shared block's tag ends `reads a, b`: names an ALGO LOGIC block sets and this block
+    reads (a researcher who rewrites an ALGO block knows what to keep). Every name an ALGO
+    block sets that a later shared block of main() reads is named there."""
     text = read(script)
-    head = text.split("that ALGO LOGIC sets:\n", 1)[1].split("\n\n", 1)[0]
-    names = [line.split()[1] for line in head.splitlines()]
-    assert len(names) >= 4, head
-    algo, shared = "\n".join(algo_segments(text)), "\n".join(shared_segments(text))
-    for name in names:
-        assert re.search(rf"\b{name}\b.*=|\bfor .*\b{name}\b", algo), f"{name} is not set"
-        assert re.search(rf"\b{name}\b", shared), f"{name} is not read by the plumbing"
+    algo = "\n".join(algo_segments(text))
+    named = {}
+    for segment in shared_segments(text):
+        tag = segment.splitlines()[0]
+        names = tag.split("; reads ", 1)[1].split(", ") if "; reads " in tag else []
+        for name in names:
+            assert re.search(rf"\b{name}\b.*=|\bfor .*\b{name}\b", algo), f"{name} is not set"
+            body = segment.split("\n", 1)[1]
+            assert re.search(rf"\b{name}\b", body), f"{tag}: {name} is not read there"
+            named[name] = tag
+    want = {"eval_sigmas", "group_ids", "futures", "grad_norm", "summary"}
+    want |= {"snapshots"} if script in SD35_SCRIPTS else set()
+    assert set(named) == want, named
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

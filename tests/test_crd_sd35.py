@@ -11,10 +11,8 @@ import torch
 from crd_sd35 import (blend_snapshot, crd_implicit_reward, crd_loss, sigma_grid,
                       snapshot_decay, train_timesteps)
 from scripts_harness import (assert_accuracy_rose, assert_bad_input, assert_common_run,
-                             assert_eval_only_reproduces, cut_back_copy, learning_run,
+                             assert_eval_only_reproduces, learning_run,
                              lora_tensors, read_metrics, run_script, tiny_sd35_flags)
-from scripts_harness import (NAN_REWARD, assert_pushed, assert_same_state,
-                             assert_stopped_at_the_nan_reward, pushed_run)
 
 SCRIPT = "crd_sd35.py"
 
@@ -224,14 +222,10 @@ def snapshot_tensors(checkpoint, key):
 
 
 @pytest.fixture(scope="module")
-def one_process_run(tiny_sd3, tmp_path_factory):
-    out = tmp_path_factory.mktemp("crd1")  # the Hub a recorder; a KL weight not the default
-    return pushed_run(SCRIPT, flags(tiny_sd3, out, "--epochs", "2", "--kl-beta", "0.3"))
-
-
-@pytest.mark.quick
-def test_push_sends_the_final_ema_lora_with_its_card(one_process_run):
-    assert_pushed(one_process_run, SCRIPT, epochs=2)
+def one_process_run(tiny_run):
+    """The contract's run (scripts_harness.ONE_PROCESS_FLAGS), shared with
+    tests/test_contract.py."""
+    return tiny_run(SCRIPT)
 
 
 @pytest.mark.quick
@@ -290,22 +284,8 @@ def test_frozen_old_and_half_blended_sampler(frozen_old_run):
     assert all(torch.allclose(e, 0.1 * o + 0.9 * c, atol=1e-7) for e, o, c in zip(ema, old, lora))
 
 
-def test_resume_restores_all_three_lora_states(tiny_sd3, tmp_path, one_process_run):
-    first = cut_back_copy(one_process_run, tmp_path / "a")  # as if it had stopped after epoch 1
-    # no flag but where to resume: the rest is the checkpoint's (--no-push-to-hub: given wins)
-    resumed = run_script(SCRIPT, ["--resume", str(first / "checkpoints" / "epoch_00001"),
-                                  "--output-dir", str(tmp_path / "a"), "--no-push-to-hub"])
-    # it continues its run dir
-    assert resumed == first and [m["epoch"] for m in read_metrics(resumed)] == [0, 1]
-    # LoRA, EMA, the old and sampling snapshots, AdamW's state, bit for bit
-    assert_same_state(resumed / "checkpoints" / "epoch_00002",
-                      one_process_run / "checkpoints" / "epoch_00002")
-
-
-def test_two_process_torchrun(tiny_sd3, tmp_path):
-    extra = ["--epochs", "2", "--batch-size", "2"]
-    run_dir = run_script(SCRIPT, flags(tiny_sd3, tmp_path, *extra, precision="bf16"), nproc=2)
-    metrics = assert_common_run(run_dir, epochs=2)
+def test_two_process_torchrun(tiny_run):
+    metrics = read_metrics(tiny_run(SCRIPT, nproc=2))  # the contract's (TWO_PROCESS_FLAGS)
     assert metrics[0]["losses/first_r_theta_abs"] < 1e-6
     assert [m["charts/old_decay"] for m in metrics] == pytest.approx([0.26, 0.27])
 
@@ -326,11 +306,6 @@ def test_learning_toy_accuracy_rises(tmp_path):
     assert assert_accuracy_rose(base, trained) > 0.1  # far beyond its standard error, as measured
     # the KL to the CFG teacher (the base model at --kl-cfg) is measured and added every epoch
     assert all(m["losses/kl"] > 0 and m["losses/kl_loss"] > 0 for m in metrics)
-
-
-def test_a_nan_reward_stops_in_one_line_with_an_intact_checkpoint(tiny_sd3, tmp_path):
-    proc = run_script(SCRIPT, flags(tiny_sd3, tmp_path, *NAN_REWARD), check=False)
-    assert_stopped_at_the_nan_reward(proc, tmp_path)
 
 
 @pytest.mark.quick

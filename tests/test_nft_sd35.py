@@ -10,8 +10,7 @@ from nft_sd35 import dpm_sample, nft_loss, old_decay
 from scripts_harness import (assert_accuracy_rose, assert_bad_input, assert_common_run,
                              assert_eval_only_reproduces, cut_back_copy, learning_run,
                              lora_tensors, read_metrics, run_script, tiny_sd35_flags)
-from scripts_harness import (NAN_REWARD, assert_ema_moves_once_a_step, assert_pushed,
-                             assert_same_state, assert_stopped_at_the_nan_reward, pushed_run)
+from scripts_harness import (assert_ema_moves_once_a_step, assert_same_state)
 
 SCRIPT = "nft_sd35.py"
 
@@ -153,16 +152,10 @@ def old_tensors(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def one_process_run(tiny_sd3, tmp_path_factory):
-    out = tmp_path_factory.mktemp("nft1")
-    # the Hub a recorder
-    return pushed_run(SCRIPT, flags(tiny_sd3, out, "--epochs", "2", "--decay-type", "1",
-                                    "--updates-per-epoch", "1", "--kl-beta", "0.01"))
-
-
-@pytest.mark.quick
-def test_push_sends_the_final_ema_lora_with_its_card(one_process_run):
-    assert_pushed(one_process_run, SCRIPT, epochs=2)
+def one_process_run(tiny_run):
+    """The contract's run (scripts_harness.ONE_PROCESS_FLAGS), shared with
+    tests/test_contract.py."""
+    return tiny_run(SCRIPT)
 
 
 @pytest.mark.quick
@@ -227,15 +220,8 @@ def test_decay_type_2_hard_copies_and_resume_restores_old(tiny_sd3, tmp_path, de
                       full / "checkpoints" / "epoch_00002")
 
 
-def test_a_nan_reward_stops_in_one_line_with_an_intact_checkpoint(tiny_sd3, tmp_path):
-    proc = run_script(SCRIPT, flags(tiny_sd3, tmp_path, *NAN_REWARD), check=False)
-    assert_stopped_at_the_nan_reward(proc, tmp_path)
-
-
-def test_two_process_torchrun(tiny_sd3, tmp_path):
-    extra = ["--epochs", "2", "--batch-size", "2"]
-    run_dir = run_script(SCRIPT, flags(tiny_sd3, tmp_path, *extra, precision="bf16"), nproc=2)
-    metrics = assert_common_run(run_dir, epochs=2)
+def test_two_process_torchrun(tiny_run):
+    metrics = read_metrics(tiny_run(SCRIPT, nproc=2))  # the contract's (TWO_PROCESS_FLAGS)
     assert metrics[0]["losses/first_old_deviate"] < 1e-6
 
 

@@ -64,7 +64,9 @@ def parsed_as_main(script: str, flags: list[str]) -> dict:
 
 
 def markdown_files() -> list[str]:
-    return ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")),
+    """The documents (docs/model_card.md is the card template: its links are the card's)."""
+    docs = [path for path in (REPO / "docs").glob("*.md") if path.name != "model_card.md"]
+    return ["README.md", *sorted(str(p.relative_to(REPO)) for p in docs),
             *sorted(str(p.relative_to(REPO)) for p in (REPO / "benchmarks").rglob("*.md"))]
 
 
@@ -212,3 +214,17 @@ def test_learning_test_replays_the_demo(script, tmp_path):
     assert model_path.endswith(demo_args.pop("model")), (model_path, demo_args)
     assert replay_args.pop("epochs") <= demo_args.pop("epochs")
     assert demo_args == replay_args
+
+
+@pytest.mark.parametrize("script,page", PAGES.items())
+def test_a_page_names_blocks_its_script_has(script, page):
+    """The implementation details point at blocks by their tags (`# ALGO LOGIC: sampling`):
+    each tag a page quotes begins a tag line of its script, so a renamed block shows here."""
+    tags = [line.strip() for line in (REPO / script).read_text().splitlines()
+            if line.strip().startswith(("# ALGO LOGIC:", "# TRY NOT TO MODIFY:"))]
+    text = (REPO / page).read_text()
+    quoted = [" ".join(ref.split())  # a span may wrap
+              for ref in re.findall(r"`(# (?:ALGO LOGIC|TRY NOT TO MODIFY):[^`]*)`", text)]
+    assert quoted, f"{page} names no block of {script}"
+    missing = sorted({ref for ref in quoted if not any(tag.startswith(ref) for tag in tags)})
+    assert not missing, f"{page} names blocks {script} lacks: {missing}"
