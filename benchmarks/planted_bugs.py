@@ -37,14 +37,14 @@ BUGS = {
         "nft_sd35.py", "ema.mul_(decay).add_(p.detach(), alpha=1 - decay)",
         "ema.mul_(1 - decay).add_(p.detach(), alpha=decay)"),
     "on-policy-check-vs-own-mean": (
-        "grpo_sd35.py", "on_policy_dev = (ratio - 1).abs().max().item()",
-        "on_policy_dev = (ratio - ratio.mean()).abs().max().item()"),
+        "grpo_sd35.py", "on_policy.append((ratio.detach() - 1).abs())",
+        "on_policy.append((ratio.detach() - ratio.detach().mean()).abs())"),
     "grpo-kl-beta-fixed": (
         "grpo_sd35.py", "kl_beta=args.kl_beta, accum_steps=accum_steps)",
         "kl_beta=0.04, accum_steps=accum_steps)"),
     "card-prints-the-final-eval": (
-        SD35, "{evals[0][1]} before, {after} after",
-        "{evals[0][1]} before, {evals[-1][1]} after"),
+        SD35, "before=evals[0][1], after=after,",
+        "before=evals[0][1], after=evals[-1][1],"),
     "prompt-file-drops-unterminated-last-line": (
         SD35, "lines = [line.strip() for line in file if line.strip()]",
         'lines = [line.strip() for line in file if line.endswith("\\n") and line.strip()]'),

@@ -1,6 +1,7 @@
 """Helpers shared by the end-to-end script tests: launch a script (python or torchrun/gloo) and
 read its outputs."""
 
+import ast
 import contextlib
 import io
 import json
@@ -47,7 +48,7 @@ def tiny_sd35_flags(model: str, out, precision: str = "no") -> list[str]:
 # The contract's runs (tests/test_contract.py), each made once a session and shared with the
 # shipped script's own tests. Their flags make each algorithm's state move every step (its EMA,
 # its snapshots; a KL weight that is not the default), so a resume that forgot one shows; a copy
-# of a script (any other name) runs with the tiny flags alone.
+# of a script (any other name) runs with the flags of the script it comes from (origin).
 ONE_PROCESS_FLAGS = {
     "grpo_sd35.py": ["--kl-beta", "0.1", "--ema-interval", "0"],
     "nft_sd35.py": ["--decay-type", "1", "--updates-per-epoch", "1", "--kl-beta", "0.01"],
@@ -64,6 +65,26 @@ TWO_PROCESS_FLAGS = {
 CONTRACT_RUNS: dict = {}  # (script, nproc) -> its run directory
 
 
+def args_fields(script: str) -> set[str]:
+    """The names of a script's Args fields (read, not imported)."""
+    tree = ast.parse((REPO / script).read_text())
+    (args,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Args"]
+    return {node.target.id for node in args.body if isinstance(node, ast.AnnAssign)}
+
+
+def origin(script: str) -> str:
+    """The shipped script a copy comes from: the one whose Args fields it shares most (a copy
+    runs with its origin's flags, which its own Args still take)."""
+    if script in ONE_PROCESS_FLAGS:
+        return script
+    mine = args_fields(script)
+
+    def shared(shipped: str) -> float:
+        theirs = args_fields(shipped)
+        return len(mine & theirs) / len(mine | theirs)
+    return max(ONE_PROCESS_FLAGS, key=shared)
+
+
 def is_flux(script: str) -> bool:
     """A FLUX script (the tiny FLUX pipeline) or an SD3.5 one."""
     return "FluxPipeline" in (REPO / script).read_text()
@@ -73,7 +94,7 @@ def contract_flags(script: str, model: str, out, nproc: int = 1) -> list[str]:
     """A contract run's flags: the tiny ones (bf16 under torchrun, as a cluster runs), the
     script's own (above), two epochs."""
     precision = "bf16" if nproc > 1 else "no"
-    own = (ONE_PROCESS_FLAGS if nproc == 1 else TWO_PROCESS_FLAGS).get(script, [])
+    own = (ONE_PROCESS_FLAGS if nproc == 1 else TWO_PROCESS_FLAGS).get(origin(script), [])
     extra = ["--batch-size", "2"] if nproc > 1 else []
     return tiny_sd35_flags(model, out, precision) + own + ["--epochs", "2"] + extra
 
