@@ -501,7 +501,7 @@ def main():
                         ema.mul_(decay).add_(p.detach(), alpha=1 - decay)
 
         # ALGO LOGIC: its metrics and its part of the epoch's line
-        summary = "empty SDE window (MixGRPO, start = B): no update"
+        summary = "empty SDE window (MixGRPO's start = B): no update"
         if k:
             losses = {f"losses/{name}": float(np.mean(values)) for name, values in stats.items()}
             metrics.update(rank_mean(losses, world, device))
