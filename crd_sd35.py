@@ -120,29 +120,29 @@ class Args:
     output_dir: str = "runs"
     """runs go to OUTPUT_DIR/RUN_NAME"""
     resume: str | None = None
-    """checkpoint to continue; `latest`: this exp-name and seed's newest"""
+    """checkpoint to continue (`latest`: this run name's newest)"""
     eval_only: bool = False
-    """evaluate --resume's EMA (its flags but those given), or the base"""
+    """evaluate --resume's EMA with its flags, or the base"""
     model: str = "stabilityai/stable-diffusion-3.5-medium"
     """hub id or path of a diffusers StableDiffusion3Pipeline"""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
     """dtype of the frozen weights (LoRA, VAE: fp32), with autocast"""
     gradient_checkpointing: bool = False
-    """recompute activations in backward (less memory, ~30% slower)"""
+    """recompute activations in backward (less memory, slower)"""
     compile: bool = torch.cuda.is_available()
-    """torch.compile each transformer block (~2x faster; on with CUDA)"""
+    """torch.compile each block (~2x faster; on with CUDA)"""
     lora_rank: Annotated[int, ">= 1"] = 32
     """LoRA rank"""
     lora_alpha: Annotated[int, "> 0"] = 64
     """LoRA alpha (scale = alpha / rank)"""
     lora_targets: tuple[str, ...] = LORA_TARGETS
-    """layers to adapt: names or dotted ends (peft's target_modules)"""
+    """layers to adapt (peft's target_modules)"""
     train_prompts: str = "prompts/train.txt"
     """a prompt per line, or JSONL: `prompt` and fields for the reward"""
     test_prompts: str = "prompts/test.txt"
     """eval prompts, same format"""
     reward: str = "ocr"
-    """rewards.py name, weighted sum `ocr=1,pickscore=0.5`, `file.py:fn`"""
+    """rewards.py name, `ocr=1,pickscore=0.5`, or `file.py:fn`"""
     eval_reward: str | None = None
     """eval's reward (None: --reward)"""
     resolution: Annotated[int, ">= 1"] = 512
@@ -160,7 +160,7 @@ class Args:
     max_grad_norm: Annotated[float, "> 0"] = 1.0
     """gradient-norm clip"""
     eval_seeds: tuple[int, ...] = (42,)
-    """eval noise: a sample per test prompt and seed (tune on others)"""
+    """eval noise: a sample per test prompt and seed"""
     checkpoints_total_limit: Annotated[int | None, ">= 1"] = None
     """keep the newest N of the --save-every grid (None: all)"""
     push_to_hub: bool = False

@@ -118,9 +118,9 @@ class Args:
     output_dir: str = "runs"
     """runs go to OUTPUT_DIR/RUN_NAME"""
     resume: str | None = None
-    """checkpoint to continue; `latest`: this exp-name and seed's newest"""
+    """checkpoint to continue (`latest`: this run name's newest)"""
     eval_only: bool = False
-    """evaluate --resume's EMA (its flags but those given), or the base"""
+    """evaluate --resume's EMA with its flags, or the base"""
     model: str = "black-forest-labs/FLUX.1-dev"
     """hub id or path of a diffusers FluxPipeline"""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
@@ -128,7 +128,7 @@ class Args:
     gradient_checkpointing: bool = True
     """recompute activations in backward (FLUX is 12B)"""
     compile: bool = torch.cuda.is_available()
-    """torch.compile each transformer block (~2x faster; on with CUDA)"""
+    """torch.compile each block (~2x faster; on with CUDA)"""
     full_finetune: bool = False
     """train all weights (fp32, FSDP2-sharded), as the paper"""
     lora_rank: Annotated[int, ">= 1"] = 128
@@ -136,13 +136,13 @@ class Args:
     lora_alpha: Annotated[int, "> 0"] = 256
     """LoRA alpha (scale = alpha / rank)"""
     lora_targets: tuple[str, ...] = LORA_TARGETS
-    """layers to adapt: names or dotted ends (peft's target_modules)"""
+    """layers to adapt (peft's target_modules)"""
     train_prompts: str = "prompts/train.txt"
     """a prompt per line, or JSONL: `prompt` and fields for the reward"""
     test_prompts: str = "prompts/test.txt"
     """eval prompts, same format"""
     reward: str = "hpsv2"
-    """rewards.py name, weighted sum `ocr=1,pickscore=0.5`, `file.py:fn`"""
+    """rewards.py name, `ocr=1,pickscore=0.5`, or `file.py:fn`"""
     eval_reward: str | None = None
     """eval's reward (None: --reward)"""
     resolution: Annotated[int, ">= 1"] = 720
@@ -160,7 +160,7 @@ class Args:
     max_grad_norm: Annotated[float, "> 0"] = 1.0
     """gradient-norm clip"""
     eval_seeds: tuple[int, ...] = (42,)
-    """eval noise: a sample per test prompt and seed (tune on others)"""
+    """eval noise: a sample per test prompt and seed"""
     checkpoints_total_limit: Annotated[int | None, ">= 1"] = None
     """keep the newest N of the --save-every grid (None: all)"""
     push_to_hub: bool = False

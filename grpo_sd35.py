@@ -7,9 +7,7 @@ The defaults are the paper's OCR run (§B.3, config/grpo.py::general_ocr_sd3):
     torchrun --nproc_per_node 8 grpo_sd35.py --train-prompts ocr/train.txt \
         --test-prompts ocr/test.txt
 
-Provenance: yifan123/flow_grpo@9745241 (the loop, rollout, advantages, loss,
-EMA; GRPO-Guard), UniRL@1a7b501 (Flow-DPPO, MixGRPO); the upstream lines
-of each detail: docs/grpo.md.
+Provenance: flow_grpo@9745241, UniRL@1a7b501; each detail's lines: docs/grpo.md.
 """
 
 import glob
@@ -27,7 +25,6 @@ import sys
 import tempfile
 import time
 import warnings
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
@@ -53,7 +50,7 @@ from tqdm import tqdm
 
 import rewards
 from sde import (dppo_keep, dppo_kl_std, flow_sigma_t, ratio_norm_log_ratio, sde_step,
-                 sde_steps, sde_window, step_kl)
+                 sde_steps, sde_window, step_kl, training_batches)
 
 # The joint-attention projections of every MMDiT block (flow_grpo, NFT, AWM)
 LORA_TARGETS = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj",
@@ -65,7 +62,7 @@ LORA_TARGETS = ("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj",
 class Args:
     # The algorithm (defaults: the paper's OCR run)
     group_size: Annotated[int, ">= 2"] = 24
-    """images per prompt (a group; its mean reward is the baseline)"""
+    """images per prompt (a group: the baseline is its mean)"""
     prompts_per_epoch: Annotated[int, ">= 1"] = 48
     """prompts (groups) per epoch, over all GPUs"""
     batch_size: Annotated[int, ">= 1"] = 9
@@ -77,11 +74,11 @@ class Args:
     guidance_scale: float = 4.5
     """CFG scale of rollouts, training and eval (1: no CFG)"""
     noise_level: float = 0.7
-    """a: sigma_t = a sqrt(sigma / (1 - sigma)) (flow), sin(a pi/2) (cps)"""
+    """a of the SDE's noise (sde.py: flow, cps)"""
     sde_kind: Literal["flow", "cps"] = "flow"
     """SDE (sde.py): Flow-GRPO's, or coefficient-preserving"""
     sde_window_size: int = 0
-    """K > 0: SDE on K consecutive steps, ODE elsewhere (Flow-GRPO-Fast)"""
+    """K > 0: SDE on K consecutive steps (Flow-GRPO-Fast)"""
     sde_window_range: tuple[int, int] | None = None
     """A B: SDE steps lie in [A, B) (None: 0, num_steps // 2)"""
     window_shift_every: Annotated[int | None, ">= 1"] = None
@@ -89,25 +86,27 @@ class Args:
     window_stride: int = 1
     """steps it slides by (UniRL's MixGRPO: 3; 0: stays at A)"""
     sde_random_steps: int = 0
-    """K > 0: SDE on K random steps of [A, B), an epoch's draw (UniRL's)"""
+    """K > 0: SDE on K random steps of [A, B) (UniRL)"""
     timestep_fraction: Annotated[float, "in (0, 1]"] = 0.99
     """train the first int(num_steps x this) steps"""
     advantage_aggregation: Literal["sum", "gdpo"] = "sum"
-    """normalise the rewards' weighted sum, or each, then sum (GDPO)"""
+    """normalise the rewards' sum, or each (GDPO)"""
     per_group_std: bool = False
-    """advantages / their group's std, not the epoch's (upstream's)"""
+    """advantages / their group's std, not the epoch's"""
+    keep_zero_advantages: bool = False
+    """train zero-advantage samples too (upstream drops them)"""
     adv_clip: Annotated[float, "> 0"] = 5.0
-    """advantages are clipped to +-adv_clip (not by dppo: UniRL's)"""
+    """clip advantages to +-adv_clip (not with dppo)"""
     clip_range: float = 1e-4
-    """PPO clip (tiny: log-probs are means over elements, sde.py)"""
+    """PPO clip (tiny: log-probs are means, sde.py)"""
     trust_region: Literal["clip", "ratio-norm", "dppo"] = "clip"
-    """PPO's clip, of GRPO-Guard's normalised ratio, or Flow-DPPO's mask"""
+    """PPO's clip, GRPO-Guard's, or Flow-DPPO's mask"""
     dppo_threshold: float = 1e-5
     """dppo: the step KL above which aggressive moves drop"""
     kl_beta: float = 0.04
     """weight of the KL to the base model (see grpo_loss)"""
     ema_decay: Annotated[float, "in [0, 1)"] = 0.9
-    """EMA decay of the LoRA for eval and `ema_lora` (0: off)"""
+    """EMA decay of the LoRA for eval, `ema_lora` (0: off)"""
     ema_interval: int = 8
     """the EMA moves while (steps + 1) % N == 0 (0: each step)"""
     # This recipe's run settings (upstream's values for this algorithm)
@@ -131,29 +130,29 @@ class Args:
     output_dir: str = "runs"
     """runs go to OUTPUT_DIR/RUN_NAME"""
     resume: str | None = None
-    """checkpoint to continue; `latest`: this exp-name and seed's newest"""
+    """checkpoint to continue (`latest`: this run name's newest)"""
     eval_only: bool = False
-    """evaluate --resume's EMA (its flags but those given), or the base"""
+    """evaluate --resume's EMA with its flags, or the base"""
     model: str = "stabilityai/stable-diffusion-3.5-medium"
     """hub id or path of a diffusers StableDiffusion3Pipeline"""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
     """dtype of the frozen weights (LoRA, VAE: fp32), with autocast"""
     gradient_checkpointing: bool = False
-    """recompute activations in backward (less memory, ~30% slower)"""
+    """recompute activations in backward (less memory, slower)"""
     compile: bool = torch.cuda.is_available()
-    """torch.compile each transformer block (~2x faster; on with CUDA)"""
+    """torch.compile each block (~2x faster; on with CUDA)"""
     lora_rank: Annotated[int, ">= 1"] = 32
     """LoRA rank"""
     lora_alpha: Annotated[int, "> 0"] = 64
     """LoRA alpha (scale = alpha / rank)"""
     lora_targets: tuple[str, ...] = LORA_TARGETS
-    """layers to adapt: names or dotted ends (peft's target_modules)"""
+    """layers to adapt (peft's target_modules)"""
     train_prompts: str = "prompts/train.txt"
     """a prompt per line, or JSONL: `prompt` and fields for the reward"""
     test_prompts: str = "prompts/test.txt"
     """eval prompts, same format"""
     reward: str = "ocr"
-    """rewards.py name, weighted sum `ocr=1,pickscore=0.5`, `file.py:fn`"""
+    """rewards.py name, `ocr=1,pickscore=0.5`, or `file.py:fn`"""
     eval_reward: str | None = None
     """eval's reward (None: --reward)"""
     resolution: Annotated[int, ">= 1"] = 512
@@ -171,7 +170,7 @@ class Args:
     max_grad_norm: Annotated[float, "> 0"] = 1.0
     """gradient-norm clip"""
     eval_seeds: tuple[int, ...] = (42,)
-    """eval noise: a sample per test prompt and seed (tune on others)"""
+    """eval noise: a sample per test prompt and seed"""
     checkpoints_total_limit: Annotated[int | None, ">= 1"] = None
     """keep the newest N of the --save-every grid (None: all)"""
     push_to_hub: bool = False
@@ -196,20 +195,19 @@ TOY = dict(model="tests/assets/toy-sd3", train_prompts="tests/assets/toy_train.t
 
 # ALGO LOGIC: the sampler, the advantages and the loss
 class Rollout(NamedTuple):
-    """A micro-batch's K SDE steps: all that the re-score reads."""
-    steps: list
+    """B samples' K SDE steps: all that the re-score reads."""
     latents: torch.Tensor  # (B, K, C, h, w): x before each step
     next_latents: torch.Tensor  # (B, K, C, h, w): the SDE's draw after it
     log_probs: torch.Tensor  # (B, K): means over elements (sde.py)
     means: torch.Tensor  # (B, K, C, h, w): the steps' Gaussian means
-    sigmas: torch.Tensor  # (K, 2): each step's sigma and next sigma
+    sigmas: torch.Tensor  # (B, K, 2): each step's sigma, next sigma
     sample: torch.Tensor  # (B, C, h, w): the final latent
-    sde: dict  # sde_step's kind, noise_level and second_sigma
+    sde: dict  # sde_step's kind and noise
 
 
 @torch.no_grad()
 def rollout(velocity, noise, sigmas, steps, kind, noise_level, generator) -> Rollout:
-    """Along sigmas (T+1,): sde.py's `kind` on `steps`, Euler elsewhere; fp32."""
+    """Along sigmas (T+1,): `kind` on `steps`, Euler elsewhere; fp32."""
     x = noise.float()
     kept = []  # Rollout's fields at each SDE step
     for i in range(len(sigmas) - 1):
@@ -221,9 +219,9 @@ def rollout(velocity, noise, sigmas, steps, kind, noise_level, generator) -> Rol
             kept.append((x, x_next, log_prob, mean))
         x = x_next
     stacked = [torch.stack(values, 1) for values in zip(*kept)]
-    step_sigmas = torch.stack([sigmas[i : i + 2] for i in steps])
+    step_sigmas = torch.stack([sigmas[i : i + 2] for i in steps]).expand(len(x), -1, -1)
     sde = dict(kind=kind, noise_level=noise_level, second_sigma=sigmas[1])
-    return Rollout(list(steps), *stacked, step_sigmas, sample=x, sde=sde)
+    return Rollout(*stacked, step_sigmas, sample=x, sde=sde)
 
 
 def compute_advantages(rewards, components, weights, group_ids, aggregation, per_group_std):
@@ -255,16 +253,15 @@ def grpo_loss(*, log_prob, old_log_prob, advantages, mean, old_mean, std, ref_me
     if trust_region == "dppo":  # UniRL clips no advantage
         old_kl = step_kl(mean.detach(), old_mean, dppo_std)  # (B,)
         keep = dppo_keep(ratio.detach(), advantages, old_kl, dppo_threshold)
-        stats["dppo_masked_frac"] = 1 - keep.float().mean().item()
-        stats["dppo_old_kl"] = old_kl.mean().item()
-        stats["dppo_old_kl_max"] = old_kl.max().item()
+        stats |= {"dppo_masked_frac": 1 - keep.float().mean().item(),
+                  "dppo_old_kl": old_kl.mean().item(), "dppo_old_kl_max": old_kl.max().item()}
         policy_loss = torch.where(keep, -advantages * ratio, 0.0).mean()
     else:
         advantages = advantages.clamp(-adv_clip, adv_clip)
         clipped_ratio = ratio.clamp(1 - clip_range, 1 + clip_range)
         policy_loss = torch.maximum(-advantages * ratio, -advantages * clipped_ratio).mean()
-    if trust_region == "ratio-norm":
-        policy_loss = policy_loss / abs_dt
+    if trust_region == "ratio-norm":  # upstream's sqrt_dt.mean()**2
+        policy_loss = policy_loss / torch.as_tensor(abs_dt).sqrt().mean() ** 2
     kl = torch.zeros((), device=log_prob.device)
     if ref_mean is not None:
         squared = ((mean - ref_mean) ** 2).mean(dim=(1, 2, 3))
@@ -329,11 +326,9 @@ def main():
         fail("--sde-window-size or --sde-random-steps: one of them")
     num_train_steps = window_size or int(args.num_steps * args.timestep_fraction)
     if num_train_steps < 1:
-        fail(f"--timestep-fraction {args.timestep_fraction} trains no step of "
-             f"--num-steps {args.num_steps}")
+        fail(f"--timestep-fraction {args.timestep_fraction} trains no step")
     if args.trust_region == "ratio-norm" and args.sde_kind != "flow":
-        fail("--trust-region ratio-norm needs --sde-kind flow "
-             "(it normalises a Gaussian log-ratio; CPS's log-prob is not one)")
+        fail("--trust-region ratio-norm needs --sde-kind flow")
     accum_steps = num_batches // args.updates_per_epoch * num_train_steps
     if not args.eval_only:
         say(f"{world} process(es) x {num_batches} micro-batches x {args.batch_size} = "
@@ -439,10 +434,9 @@ def main():
         my_groups = group_ids.view(world, num_batches, args.batch_size)[rank]
         noise_gen = seeded_generator(device, args.seed, epoch, rank)
         transformer.eval()
-        batches = []  # (Text, Rollout) per micro-batch
+        rollouts = []
         futures = []  # their rewards
-        for groups in tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet,
-                           leave=False):
+        for groups in tqdm(my_groups, f"epoch {epoch} sampling", disable=quiet, leave=False):
             text = Text(epoch_text.embeds[groups], epoch_text.pooled[groups])
             noise = torch.randn((args.batch_size, *latent_shape), generator=noise_gen,
                                 device=device)
@@ -457,7 +451,7 @@ def main():
             prompts = [epoch_prompts[group] for group in groups]
             meta = [epoch_meta[group] for group in groups]
             futures.append(executor.submit(reward_fn, images, prompts, meta))
-            batches.append((text, out))
+            rollouts.append(out)
 
         # TRY NOT TO MODIFY: all ranks' rewards; reads futures, group_ids
         reward_start = clock(device)
@@ -480,43 +474,52 @@ def main():
                                  for group in group_ids.unique()])
         training_start = clock(device)
 
-        # ALGO LOGIC: the advantages; training: grpo_loss on each stored step
+        # ALGO LOGIC: advantages, the filter; training: grpo_loss on each step
         advantages = compute_advantages(all_rewards, all_components, reward_fn.weights,
                                         group_ids, args.advantage_aggregation, args.per_group_std)
-        my_advantages = advantages.view(world, num_batches, args.batch_size)[rank].to(device)
+        zero = (advantages == 0) | (group_std[group_ids] == 0)
+        zero = zero.view(world, -1)[rank] & (not args.keep_zero_advantages)
+        train_gen = seeded_generator(torch.device("cpu"), args.seed, epoch, rank, 1)
+        train_rows, n = training_batches(zero, num_batches, args.batch_size, train_gen)
+        my_advantages = advantages.view(world, -1)[rank].to(device)
+        pool = Rollout(*[torch.cat(parts) for parts in list(zip(*rollouts))[:-1]],
+                       sde=rollouts[0].sde)
+        del rollouts
         transformer.train()
-        stats = defaultdict(list)  # a value per micro-step
+        stats = []
         on_policy = []  # |ratio - 1| before the first update
         micro_step = 0
-        progress = tqdm(batches, f"epoch {epoch} training", disable=quiet, leave=False)
-        for (text, out), batch_advantages in zip(progress, my_advantages):
+        for shaped in tqdm(train_rows, f"epoch {epoch} training", disable=quiet, leave=False):
+            rows = shaped[:n]
+            groups = my_groups.flatten()[shaped]
+            text = Text(epoch_text.embeds[groups], epoch_text.pooled[groups])
             for j in range(num_train_steps):
-                sigma, sigma_next = out.sigmas[j]
-                x = out.latents[:, j]
+                sigma, sigma_next = pool.sigmas[rows, j].unbind(1)  # (n,)
+                x = pool.latents[rows, j]
+                forward = partial(velocity, pool.latents[shaped, j],  # the rollout's shape:
+                                  pool.sigmas[shaped, j, 0], text)  # a ratio of 1
                 score_draw = partial(sde_step, x=x, sigma=sigma, sigma_next=sigma_next,
-                                     prev_sample=out.next_latents[:, j], **out.sde)
-                _, log_prob, mean, std = score_draw(velocity(x, sigma, text))
+                                     prev_sample=pool.next_latents[rows, j], **pool.sde)
+                _, log_prob, mean, std = score_draw(forward()[:n])
                 ref_mean = None
                 if args.kl_beta > 0:
                     with torch.no_grad(), adapters_disabled(transformer):
-                        ref_mean = score_draw(velocity(x, sigma, text))[2]
-                kl_sigma = std.flatten()
-                dppo_std = std
-                if out.sde["kind"] == "flow":  # at the rollout's noise level
-                    level = out.sde["noise_level"]
-                    kl_sigma = flow_sigma_t(sigma, level, out.sde["second_sigma"])
-                    dppo_std = dppo_kl_std(sigma, sigma_next, level)
+                        ref_mean = score_draw(forward()[:n])[2]
+                flow = pool.sde["kind"] == "flow"
+                level = pool.sde["noise_level"]
+                second = pool.sde["second_sigma"]
+                kl_sigma = flow_sigma_t(sigma, level, second) if flow else std.flatten()
+                dppo_std = dppo_kl_std(sigma, sigma_next, level) if flow else std
                 loss, ratio, step_stats = grpo_loss(
-                    log_prob=log_prob, old_log_prob=out.log_probs[:, j],
-                    advantages=batch_advantages, mean=mean,
-                    old_mean=out.means[:, j], std=std, ref_mean=ref_mean,
+                    log_prob=log_prob, old_log_prob=pool.log_probs[rows, j],
+                    advantages=my_advantages[rows], mean=mean,
+                    old_mean=pool.means[rows, j], std=std, ref_mean=ref_mean,
                     kl_sigma=kl_sigma, dppo_std=dppo_std, abs_dt=sigma - sigma_next,
                     trust_region=args.trust_region, clip_range=args.clip_range,
                     dppo_threshold=args.dppo_threshold, adv_clip=args.adv_clip,
                     kl_beta=args.kl_beta, accum_steps=accum_steps)
                 scaler.scale(loss).backward()
-                for name, value in step_stats.items():
-                    stats[name].append(value)
+                stats.append(step_stats)
                 if micro_step < accum_steps:  # the rollout's weights: ratio must be 1
                     on_policy.append((ratio.detach() - 1).abs())
                 micro_step += 1
@@ -534,8 +537,9 @@ def main():
                     ema.mul_(decay).add_(p.detach(), alpha=1 - decay)
 
         # ALGO LOGIC: this algorithm's metrics and its part of the summary line
-        losses = {f"losses/{name}": float(np.mean(values))
-                  for name, values in stats.items()}
+        losses = {f"losses/{name}": float(np.mean([step[name] for step in stats]))
+                  for name in stats[0]}
+        losses["charts/actual_batch_size"] = n
         metrics.update(rank_mean(losses, world, device))
         deviations = torch.cat(on_policy)  # all micro-steps before the first update
         on_policy_dev = deviations.max().item()

@@ -1,6 +1,6 @@
 """Reverse-time step math shared by every script (pure functions, no models): SDE steps, which
-steps are SDE steps, trust regions on a step's Gaussian, an ODE solver. (Advantages are
-each script's own: its ALGO LOGIC.)
+steps are SDE steps, which samples train, trust regions on a step's Gaussian, an ODE solver.
+(Advantages are each script's own: its ALGO LOGIC.)
 
 Conventions, stated once:
 - Time is the flow-matching noise level sigma in [0, 1] (1: pure noise, 0: data), and
@@ -182,6 +182,21 @@ def sde_steps(count: int, step_range, key) -> list[int]:
     rng = np.random.default_rng(key)
     chosen = rng.choice(pool, count, replace=False)
     return sorted(int(i) for i in chosen)
+
+# ---- Which samples train (Flow-GRPO's zero-advantage filter) ----
+def training_batches(zero, num_batches: int, size: int, generator):
+    """flow_grpo's re-batching of a rank's samples (scripts/train_sd3.py before training): drop
+    those whose advantage is zero (`zero`, bool), add random ones back until the rest splits
+    into num_batches, shuffle, split; its draws in its order, on `generator`. -> (num_batches,
+    size) sample indices: a micro-batch's n trained rows, then its first repeated; and n."""
+    keep = ~zero | zero.all()  # all zero: upstream's reshape fails; we train all
+    missing = -int(keep.sum()) % num_batches
+    if missing:  # upstream draws only then
+        dropped = zero.nonzero().flatten()
+        keep[dropped[torch.randperm(len(dropped), generator=generator)[:missing]]] = True
+    rows = keep.nonzero().flatten()
+    rows = rows[torch.randperm(len(rows), generator=generator)].view(num_batches, -1)
+    return torch.cat([rows, rows[:, :1].expand(-1, size - rows.shape[1])], 1), rows.shape[1]
 
 # ---- Trust regions on a step's Gaussian ----
 def step_kl(mean: torch.Tensor, other_mean: torch.Tensor, std) -> torch.Tensor:

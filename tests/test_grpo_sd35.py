@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from grpo_sd35 import Text, compute_advantages, grpo_loss, predict_velocity, rollout
-from sde import ratio_norm_log_ratio, sde_window
+from sde import ratio_norm_log_ratio, sde_window, training_batches
 from scripts_harness import (TOY_REWARD, assert_accuracy_rose, assert_bad_input, assert_common_run,
                              assert_eval_only_reproduces, cut_back_copy, learning_run,
                              lora_tensors, read_metrics, run_script, tiny_sd35_flags)
@@ -173,7 +173,9 @@ def test_window_rollout_is_sde_inside_the_window_and_ode_outside(kind, window):
     runs = [rollout(velocity, noise, sigmas, range(*window), kind, 0.8,
                     torch.Generator().manual_seed(seed)) for seed in (0, 1)]
     out, other = runs
-    assert out.steps == list(range(*window))
+    steps = list(range(*window))  # each sample's steps: their sigma and the next
+    want = torch.stack([sigmas[steps], sigmas[1:][steps]], -1)
+    assert torch.equal(out.sigmas, want.expand(2, -1, -1))
     assert out.latents.shape == out.next_latents.shape == (2, 2, 4, 3, 3)
     assert out.log_probs.shape == (2, 2) and out.means.shape == (2, 2, 4, 3, 3)
     assert torch.equal(out.latents[:, 1], out.next_latents[:, 0])  # consecutive steps
@@ -192,9 +194,11 @@ def test_window_rollout_is_sde_inside_the_window_and_ode_outside(kind, window):
     after = euler(out.next_latents[:, -1], range(window[1], 6))
     assert torch.allclose(out.sample, after, atol=1e-6)
     # training re-scores every stored window step exactly as sampled (on-policy ratio exactly 1)
-    for j, t in enumerate(out.steps):
-        v = velocity(out.latents[:, j], sigmas[t])
-        _, log_prob, mean, std = sde_step(v, out.latents[:, j], sigmas[t], sigmas[t + 1], kind,
+    # at each sample's own sigmas (B,), as training reads them
+    for j, t in enumerate(steps):
+        sigma, sigma_next = out.sigmas[:, j].unbind(1)
+        v = velocity(out.latents[:, j], sigma)
+        _, log_prob, mean, std = sde_step(v, out.latents[:, j], sigma, sigma_next, kind,
                                           0.8, prev_sample=out.next_latents[:, j],
                                           second_sigma=sigmas[1])
         assert torch.equal(log_prob, out.log_probs[:, j]) and torch.equal(mean, out.means[:, j])
@@ -212,7 +216,7 @@ def test_rollout_on_random_steps_samples_only_those_by_sde():
     noise = torch.randn(2, 4, 3, 3, generator=torch.Generator().manual_seed(0))
     velocity = velocity_of(model, cond, 1.0)
     out = rollout(velocity, noise, sigmas, [0, 3], "flow", 0.7, torch.Generator().manual_seed(1))
-    assert out.steps == [0, 3] and out.log_probs.shape == (2, 2)
+    assert torch.equal(out.sigmas[0, :, 0], sigmas[[0, 3]]) and out.log_probs.shape == (2, 2)
     x = out.next_latents[:, 0]
     for i in (1, 2):  # the ODE between the two SDE steps
         x = x + velocity(x, sigmas[i]) * (sigmas[i + 1] - sigmas[i])
@@ -285,6 +289,58 @@ def test_ratio_norm_is_mean_of_noise_times_mean_shift_at_any_step_std():
         dmu = 0.01 * shift  # upstream's bias is the batch's mean (sde.py), not each sample's
         bias_gap = ((dmu**2).mean() - (dmu**2).mean(dim=(1, 2, 3))) / (2 * s)
         assert torch.allclose(normed, (eps * dmu).mean(dim=(1, 2, 3)) + bias_gap, atol=1e-5)
+
+
+# Golden re-batchings: flow_grpo@9745241 scripts/train_sd3.py lines 801-846 (the mask of
+# zero-advantage samples, the random completion, one inner epoch's shuffle and re-batch), read
+# from the file as text and run by exec on fake samples (advantages repeated over 10 steps,
+# an `index` field to read the rows back), torch.manual_seed(seed) before; torch 2.13.0 CPU.
+FILTER_GOLDEN = [
+    (0, [0, 1, 0, 0, 2, 0, 3, 0, 0, 4, 5, 0], 3,
+     [[4, 9], [7, 6], [10, 1]]),
+    (1, [0, 0, 0, 1, 2, 3, 4, 5, 6, 0, 0, 0, 7, 8, 9, 1], 4,
+     [[3, 8, 5], [15, 6, 13], [7, 12, 4], [14, 1, 11]]),
+    (2, [1, 2, 3, 4, 5, 6], 2,
+     [[0, 3, 1], [2, 4, 5]]),
+    (3, [0, 0, 1, 0, 0, 0, 0, 0, 0], 3,
+     [[5], [2], [3]]),
+    (4, [1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 0, 8, 0, 9, 0], 2,
+     [[4, 2, 8, 14, 16], [6, 9, 10, 0, 12]]),
+    (5, [1, 0, 0, 2, 0, 0, 3, 0, 0, 4, 0, 0, 5, 0, 0, 6, 0, 0], 6,
+     [[15], [0], [3], [9], [12], [6]])]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("seed, advantages, num_batches, want", FILTER_GOLDEN)
+def test_zero_advantage_filter_is_upstreams(seed, advantages, num_batches, want):
+    """The same rows in the same micro-batches as upstream's, given a generator seeded as
+    upstream's global one: it draws the completion only when one is missing, then shuffles."""
+    zero = torch.tensor(advantages) == 0
+    rows, n = training_batches(zero, num_batches, 7, torch.Generator().manual_seed(seed))
+    assert rows[:, :n].tolist() == want
+    kept = sum(a != 0 for a in advantages)
+    assert n * num_batches == kept + -kept % num_batches  # the fewest added back
+    assert rows.shape == (num_batches, 7) and (rows[:, n:] == rows[:, :1]).all()  # padding
+
+
+def test_the_filter_run_trains_the_rollouts_numbers_at_smaller_micro_batches(tiny_sd3, tmp_path):
+    """Groups of prompts without "sign" are constant (tests/toy_rewards.py:brightness_of_signs):
+    upstream's filter drops them, so an epoch with one such group of two trains micro-batches of
+    2 (padded to the rollout's 4 for the forward), one with none or two trains all 4 (two
+    constant groups: every advantage is 0, upstream fails; all are kept). The first update's
+    ratio stays exactly 1 at either size; --keep-zero-advantages trains all 4 each epoch."""
+    def flags(name, epochs):
+        return tiny_sd35_flags(tiny_sd3, tmp_path / name) + [
+            "--reward", "tests/toy_rewards.py:brightness_of_signs", "--kl-beta", "0.04",
+            "--epochs", str(epochs), "--eval-every", str(epochs), "--save-every", str(epochs)]
+    metrics = read_metrics(run_script(SCRIPT, flags("filter", 4)))[:4]
+    sizes = [m["charts/actual_batch_size"] for m in metrics]
+    assert 2 in sizes and 4 in sizes, sizes
+    for m in metrics:
+        assert m["losses/on_policy_ratio_dev"] == 0.0
+        assert (m["charts/actual_batch_size"] == 4) == (m["reward/zero_std_group_frac"] != 0.5)
+    kept = run_script(SCRIPT, flags("kept", 2) + ["--keep-zero-advantages"])
+    assert [m["charts/actual_batch_size"] for m in read_metrics(kept)[:2]] == [4, 4]
 
 
 # ---- end to end ----------------------------------------------------------------------------

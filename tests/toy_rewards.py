@@ -255,6 +255,14 @@ def brightness(images, prompts, metadata):
     return scores, {"brightness": scores.tolist()}
 
 
+def brightness_of_signs(images, prompts, metadata):
+    """Brightness for prompts with the word "sign", 0.5 for the others: their groups are
+    constant, so Flow-GRPO's zero-advantage filter drops them."""
+    scores = brightness(images, prompts, metadata)[0]
+    signs = torch.tensor(["sign" in prompt for prompt in prompts])
+    return torch.where(signs, scores, 0.5), {}
+
+
 def redness(images, prompts, metadata):
     """Mean red minus mean of green and blue, in [-1, 1]."""
     images = images.float()
