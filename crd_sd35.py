@@ -99,6 +99,8 @@ class Args:
     """EMA decay of the LoRA for eval and the saved `ema_lora` (0: off)"""
     ema_every: Annotated[int, ">= 1"] = 10
     """the EMA moves every N epochs, its warm-up counts epochs"""
+    fp32_master_weights: bool = False
+    """LoRA, AdamW state, EMA, snapshots in fp32 (upstream: bf16)"""
     # This recipe's run settings (upstream's values for this algorithm)
     allow_tf32: bool = False
     """TF32 for fp32 matmuls on CUDA (VAE, rewards), as upstream"""
@@ -331,10 +333,9 @@ def main():
     if num_batches % args.updates_per_epoch:
         fail(f"{num_batches} micro-batches per GPU per epoch do not split "
              f"into --updates-per-epoch {args.updates_per_epoch}")
-    if math.gcd(args.group_size, world * args.batch_size) < 2:
-        fail(f"--group-size {args.group_size} and {world} GPUs x --batch-size "
-             f"{args.batch_size} leave a single image of a prompt in some "
-             "micro-step; give them a common factor")
+    if math.gcd(args.group_size, args.batch_size) < 2:
+        fail(f"--group-size {args.group_size} and --batch-size {args.batch_size} leave "
+             "a single image of a prompt in some micro-step; give them a common factor")
     accum_steps = num_batches // args.updates_per_epoch * args.num_train_timesteps
     if not args.eval_only:
         say(f"{world} process(es) x {num_batches} micro-batches x {args.batch_size} = "
@@ -374,7 +375,10 @@ def main():
         with autocast:
             return predict_velocity(transformer, x, sigma, text, negative, guidance_scale)
 
-    # ALGO LOGIC: the sigma grids, the algorithm's LoRA snapshots
+    # ALGO LOGIC: upstream's bf16 master weights; the sigma grids, the LoRA snapshots
+    if args.mixed_precision != "no" and not args.fp32_master_weights:
+        for p in lora_params + ema_params:  # AdamW's state follows
+            p.data = p.data.bfloat16()
     shift = pipe.scheduler.config.shift
     sigmas = sigma_grid(args.num_steps, shift).to(device)
     eval_sigmas = sigma_grid(args.eval_num_steps, shift).to(device)
@@ -433,9 +437,9 @@ def main():
         epoch_text = encode(pipe, epoch_prompts, device, args.max_sequence_length)
         sampling_start = clock(device)
 
-        # ALGO LOGIC: sampling by ode_sample; rank k's batch s: images (s W + k) B + [0, B)
-        image_ids = torch.arange(images_per_epoch)
-        image_ids = image_ids.view(num_batches, world, -1)  # (S, W, B)
+        # ALGO LOGIC: sampling by ode_sample; rank k's batch s: images (k S + s) B + [0, B)
+        image_ids = torch.arange(images_per_epoch).view(world, num_batches, -1)
+        image_ids = image_ids.transpose(0, 1)  # (S, W, B): upstream's group_contiguous
         group_ids = image_ids.transpose(0, 1).flatten() // args.group_size
         my_groups = group_ids.view(world, num_batches, -1)[rank]
         noise_gen = seeded_generator(device, args.seed, epoch, rank)

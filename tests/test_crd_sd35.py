@@ -284,10 +284,50 @@ def test_frozen_old_and_half_blended_sampler(frozen_old_run):
     assert all(torch.allclose(e, 0.1 * o + 0.9 * c, atol=1e-7) for e, o, c in zip(ema, old, lora))
 
 
+def master_dtypes(run_dir: Path) -> set:
+    """The dtypes of everything trained or blended in the last checkpoint's state."""
+    (save,) = sorted((run_dir / "checkpoints").iterdir())[-1:]
+    state = torch.load(save / "state.pt", map_location="cpu")
+    tensors = state["lora"] + state["ema"] + sum(state["extra"].values(), [])
+    tensors += [value for moments in state["optimizer"]["state"].values()
+                for name, value in moments.items() if name != "step"]
+    return {tensor.dtype for tensor in tensors}
+
+
 def test_two_process_torchrun(tiny_run):
-    metrics = read_metrics(tiny_run(SCRIPT, nproc=2))  # the contract's (TWO_PROCESS_FLAGS)
+    """The contract's run (TWO_PROCESS_FLAGS), under --mixed-precision bf16: upstream's master
+    weights, the LoRA, AdamW's moments, the EMA and both snapshots all in bf16."""
+    run_dir = tiny_run(SCRIPT, nproc=2)
+    metrics = read_metrics(run_dir)
     assert metrics[0]["losses/first_r_theta_abs"] < 1e-6
     assert [m["charts/old_decay"] for m in metrics] == pytest.approx([0.26, 0.27])
+    assert master_dtypes(run_dir) == {torch.bfloat16}
+
+
+def test_fp32_master_weights_under_bf16(tiny_sd3, tmp_path):
+    """--fp32-master-weights: the frozen base in bf16, all that trains or blends in fp32."""
+    flags = ["--epochs", "1", "--num-train-timesteps", "2", "--fp32-master-weights"]
+    run_dir = run_script(SCRIPT, tiny_sd35_flags(tiny_sd3, tmp_path, "bf16") + flags)
+    assert master_dtypes(run_dir) == {torch.float32}
+
+
+@pytest.mark.quick
+def test_bf16_snapshots_round_away_a_slow_blend():
+    """Upstream's blend (trainers/crd.py _blend_named_params: mul_(decay).add_(p, alpha=1 -
+    decay), in place) is ours; in bf16 at decay 0.999 most of it rounds away: 200 blends toward
+    a fixed target close 18% of the gap in fp32, 1% in bf16 (docs/crd.md)."""
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(4096, generator=gen) * 1e-2
+    target = start + torch.randn(4096, generator=gen) * 1e-3
+    closed = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        snapshot = [start.to(dtype, copy=True)]
+        for _ in range(200):
+            blend_snapshot(snapshot, [target.to(dtype)], 0.999)
+        gap = (target.to(dtype) - start.to(dtype)).double()
+        closed[dtype] = float(((snapshot[0] - start.to(dtype)).double() @ gap) / (gap @ gap))
+    assert closed[torch.float32] == pytest.approx(1 - 0.999**200, rel=1e-3)  # 0.181
+    assert closed[torch.bfloat16] < 0.1, closed
 
 
 # README's CRD demo (`--toy`; the KL of `crd_sd35.py --kl-beta 0.1`), run in the background from
