@@ -8,8 +8,9 @@ twice per training seed, with the master weights (LoRA, AdamW's state, EMA, snap
   blend closed, ||s_e - s_(e-1)|| / ||lora_e - s_(e-1)|| (1 - decay in exact arithmetic);
 - the gain on the reporting noise (eval seeds 100-115), as benchmarks/toy_demos.py scores it.
 
-    python benchmarks/crd_precision.py                  # seed 42 (CPU: ~25 min)
+    python benchmarks/crd_precision.py                  # seed 42 (CPU: ~6 min)
     python benchmarks/crd_precision.py --seeds 42 1 2
+    python benchmarks/crd_precision.py --extra="--old-decay 0 0.999 0 0.999"   # the long run's
 
 Writes one JSON line per run to --log (benchmarks/crd_precision.jsonl) and prints the table.
 """
@@ -50,6 +51,7 @@ def closed_gaps(run_dir: Path) -> dict[str, list[float]]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", nargs="+", type=int, default=[42])
+    parser.add_argument("--extra", default="", help="flags appended to the demo's")
     parser.add_argument("--log", default=str(REPO / "benchmarks" / "crd_precision.jsonl"))
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="crd-precision-"))
@@ -59,7 +61,7 @@ def main():
         for master, extra in MASTERS.items():
             out = work / f"{master}-{seed}"
             out.mkdir()
-            flags = FLAGS + extra
+            flags = FLAGS + extra + args.extra.split()
             run([SCRIPT, *flags, "--seed", str(seed), "--output-dir", str(out)],
                 out / "log.txt")
             (run_dir,) = [path for path in out.iterdir() if path.is_dir()]
@@ -74,14 +76,15 @@ def main():
     with open(args.log, "a") as file:
         for row in rows:
             file.write(json.dumps(row) + "\n")
+    print(f"extra flags: {args.extra or 'none'}")
     print("| master weights | seed | gain (± s.e.) | old: gap closed per epoch, first / last "
           "| sampling: first / last |\n|---|---|---|---|---|")
     for row in rows:
         old = row["closed_per_epoch"]["old"]
         sampling = row["closed_per_epoch"]["sampling"]
         print(f"| {row['master']} | {row['seed']} | {row['gain']:+.3f} ± "
-              f"{row['gain_stderr']:.3f} | {old[0]:.3f} / {old[-1]:.3f} "
-              f"| {sampling[0]:.3f} / {sampling[-1]:.3f} |")
+              f"{row['gain_stderr']:.3f} | {old[0]:.4f} / {old[-1]:.4f} "
+              f"| {sampling[0]:.4f} / {sampling[-1]:.4f} |")
 
 
 if __name__ == "__main__":
