@@ -333,7 +333,7 @@ def short(value, width: int = 80) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-NEW_METRICS_OK = False  # --new-metrics-ok: a metric only the candidate logs is no difference
+NEW_METRICS_OK = False  # --new-metrics-ok: a metric or flag only the candidate has is no difference
 
 
 def diff_metrics(a: Path, b: Path, name: str) -> list[str]:
@@ -421,8 +421,10 @@ def diff_file(a: Path, b: Path, name: str) -> list[str]:
         return diff_png(a, b, name)
     if name.endswith("state.pt"):
         state_a, state_b = (torch.load(path, map_location="cpu") for path in (a, b))
-        found = diff_objects(state_a.pop("args", {}), state_b.pop("args", {}), f"{name} args",
-                             frozenset(IGNORED_ARGS))
+        args_a = state_a.pop("args", {})
+        args_b = state_b.pop("args", {})
+        new_args = set(args_b) - set(args_a) if NEW_METRICS_OK else set()
+        found = diff_objects(args_a, args_b, f"{name} args", frozenset(IGNORED_ARGS | new_args))
         for state in (state_a, state_b):  # DCP's .metadata holds its path and a random id
             state.get("dcp_sha256", {}).pop(".metadata", None)
         metrics_a, metrics_b = state_a.pop("metrics", {}), state_b.pop("metrics", {})
@@ -629,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="only make sure the reference outputs are cached")
     parser.add_argument("--list", action="store_true", help="print the configurations, exit")
     parser.add_argument("--new-metrics-ok", action="store_true",
-                        help="a metric key only the candidate logs is no difference")
+                        help="a metric key or flag only the candidate has is no difference")
     options = parser.parse_args(argv)
     global NEW_METRICS_OK
     NEW_METRICS_OK = options.new_metrics_ok
